@@ -1,0 +1,165 @@
+"""User-facing configuration: sampling parameters and engine settings, validated with clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SpecserveError(ValueError):
+    """A bad argument from the user; the message says which and why."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SpecserveError(message)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (names and meanings as in vLLM / the OpenAI API)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.n, int) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or >= 1, got {self.top_k}",
+        )
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+_MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as '2GiB', '512MB'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        amount = value
+    else:
+        text = str(value).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGIB")
+        unit = text[len(number) :]
+        _check(
+            bool(number) and unit in _MEMORY_UNITS, f"cannot read a memory size from {value!r} (try '2GiB')"
+        )
+        try:
+            amount = int(float(number) * _MEMORY_UNITS[unit])
+        except ValueError:
+            raise SpecserveError(f"cannot read a memory size from {value!r} (try '2GiB')") from None
+    _check(amount > 0, f"memory size must be positive, got {value!r}")
+    return amount
+
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. `max_model_len=None` takes the model's context length, capped at 8192."""
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    kv_cache_memory: int | str = "2GiB"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
+        _check(
+            str(self.dtype).lower() in _DTYPES,
+            f"dtype must be one of {sorted(set(_DTYPES.values()))}, got {self.dtype!r}",
+        )
+        self.dtype = _DTYPES[str(self.dtype).lower()]
+        _check(
+            self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+            f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",
+        )
+        self.kv_cache_bytes = parse_memory(self.kv_cache_memory)
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of 2 <= 128, got {self.block_size}",
+        )
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(
+            isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens must be >= 1",
+        )
+        _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)

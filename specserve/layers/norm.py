@@ -1,0 +1,38 @@
+"""RMSNorm in the three flavours our model families use."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * scale, normalised in fp32.
+
+    `offset=1.0` is Gemma 3's (1 + w) scale (weights stored zero-centred); `scale_in_fp32` multiplies
+    before casting back (Gemma), otherwise the normalised x is cast first (Qwen/Llama); `with_scale=False`
+    is Gemma 4's parameter-free v_norm.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        scale_in_fp32: bool = False,
+        with_scale: bool = True,
+    ):
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.scale_in_fp32 = scale_in_fp32
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return normed.to(x.dtype)
+        if self.scale_in_fp32:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return (self.offset + self.weight) * normed.to(x.dtype)

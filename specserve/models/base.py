@@ -1,0 +1,88 @@
+"""What the engine needs from a target model, and the weight loading every model shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specserve.layers.attention import AttentionMetadata, KVCache
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """Shape of one layer's paged KV cache. A layer that reads another layer's cache has `shared_with`."""
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    shared_with: int | None = None
+
+
+class CausalLM(nn.Module):
+    """Base of every target model.
+
+    `forward` runs a flat batch (all pieces of a step concatenated) and returns the final-normed hidden
+    states [N, H] plus the residual-stream outputs of the requested layers ({layer_id: [N, H]}; layer id -1
+    is the embedding output that enters layer 0). Logits are computed separately, only for the rows that
+    need them.
+    """
+
+    config: object
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        raise NotImplementedError
+
+    def checkpoint_name_map(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor name, or None to skip it. Override to rename."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            name = self.checkpoint_name_map(ckpt_name)
+            if name is None:
+                continue
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}"
+                )
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded - self.tied_parameter_names())
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )
+        self.tie_weights()
+
+    def tied_parameter_names(self) -> set[str]:
+        """Parameters filled by `tie_weights` rather than by the checkpoint."""
+        return set()
+
+    def tie_weights(self) -> None:
+        """Called after loading; models with tied embeddings alias lm_head to the embedding here."""

@@ -1,0 +1,187 @@
+"""The Qwen family in one model: Qwen2/2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (experts).
+
+Parameter names equal the HF checkpoint names, so `load_weights` copies tensors straight in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.mlp import GatedMLP
+from specserve.layers.moe import Experts, route_topk
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
+from specserve.models.base import CausalLM, LayerCacheSpec
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _sliding_window(config, layer_idx: int) -> int | None:
+    """The layer's attention window as HF decides it: only with use_sliding_window, then per layer_types."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return window
+
+
+def _is_moe_layer(config, layer_idx: int) -> bool:
+    return (
+        getattr(config, "num_experts", 0) > 0
+        and layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+    )
+
+
+class QwenAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = _sliding_window(config, layer_idx)
+        bias = getattr(config, "attention_bias", False)
+        qkv_bias = bias or config.model_type == "qwen2"
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.qk_norm = config.model_type != "qwen2"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary  # one instance shared by every layer (it holds no parameters)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        cache.write(attn.slot_mapping, k, v)
+        o = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class QwenSparseMoe(nn.Module):
+    """Qwen3-MoE feed-forward: a linear router (`gate`) picks top-k experts per token; no shared expert."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        return self.experts(x, weights, ids)
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = QwenAttention(config, layer_idx, rotary)
+        if _is_moe_layer(config, layer_idx):
+            self.mlp = QwenSparseMoe(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class QwenModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.rotary = RotaryEmbedding(*inverse_frequencies(config, _head_dim(config)))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class QwenForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = QwenModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        h = self.model.embed_tokens(input_ids)
+        captured = {-1: h} if -1 in capture_layers else {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, positions, attn, kv_caches[i])
+            if i in capture_layers:
+                captured[i] = h
+        return self.model.norm(h), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        return [
+            LayerCacheSpec(
+                layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.sliding_window
+            )
+            for layer in self.model.layers
+        ]
+
+    def checkpoint_name_map(self, name: str) -> str | None:
+        return None if "rotary_emb.inv_freq" in name else name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_split_fused_experts(weights))
+
+    def tied_parameter_names(self) -> set[str]:
+        return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
+
+    def tie_weights(self) -> None:
+        if self.tied_parameter_names():
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def _split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF checkpoints store one tensor per expert; transformers v5 holds them fused in memory
+    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Accept the fused form too."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+        elif leaf == "down_proj":
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+        else:
+            for e in range(tensor.shape[0]):
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up

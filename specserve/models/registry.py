@@ -1,0 +1,42 @@
+"""Maps a HF `architectures` / `model_type` to our implementation."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from specserve.models.base import CausalLM
+
+# model_type -> (module, class). Multimodal wrappers resolve to their text config first (see text_config_of).
+_MODELS: dict[str, tuple[str, str]] = {
+    "qwen2": ("specserve.models.qwen", "QwenForCausalLM"),
+    "qwen3": ("specserve.models.qwen", "QwenForCausalLM"),
+    "qwen3_moe": ("specserve.models.qwen", "QwenForCausalLM"),
+    "gemma3_text": ("specserve.models.gemma", "GemmaForCausalLM"),
+    "gemma4_text": ("specserve.models.gemma", "GemmaForCausalLM"),
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_MODELS)
+
+
+def text_config_of(config):
+    """The language-model part of a HF config (Gemma 3/4 multimodal configs nest it)."""
+    return getattr(config, "text_config", None) or config
+
+
+def build_model(config, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """An uninitialised model for `config` (weights are loaded afterwards)."""
+    config = text_config_of(config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MODELS:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+        )
+    module, cls = _MODELS[model_type]
+    model_cls = getattr(importlib.import_module(module), cls)
+    with torch.device("meta"):
+        model = model_cls(config)
+    return model.to_empty(device="cpu").to(dtype)
