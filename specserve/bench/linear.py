@@ -1,0 +1,142 @@
+"""Benchmark of fp32 linear-layer kernels on this CPU, at the Qwen2.5-Coder-1.5B shapes.
+
+Run as `python -m specserve.bench.linear`. For every (shape, M) it times each kernel and prints ms per
+call and the achieved bandwidth of the weight read (weight bytes / time): at small M a linear layer is bound
+by memory bandwidth, so GB/s against the machine's ~22 GB/s read roofline says how close a kernel gets.
+
+Weights are cycled through enough copies to overflow the last-level cache, as in a real forward where each
+layer's weight was evicted since its last use. Kernels are timed round-robin (one call of each in turn, many
+rounds) so that load from other processes on the shared machine hits them all alike; the table reports the
+median, and the minimum in brackets. The 1-thread/2-thread spread between runs is the noise to expect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specserve.layers.linear import onednn_linear, onednn_pack
+
+# (name, in_features, out_features) of Qwen2.5-Coder-1.5B's linear layers
+QWEN_1_5B_SHAPES = [
+    ("q/o", 1536, 1536),
+    ("k/v", 1536, 256),
+    ("gate/up", 1536, 8960),
+    ("down", 8960, 1536),
+    ("lm_head", 1536, 151936),
+]
+M_VALUES = [1, 2, 4, 8, 16, 32, 64]
+CACHE_FLUSH_BYTES = 256 * 2**20  # comfortably above the 32 MiB L3
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _kernels(weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> dict[str, Kernel]:
+    """Every candidate for one weight copy; setup (packing, transposing) happens here, outside the timing."""
+    weight_t = weight.t().contiguous()
+    packed_1 = onednn_pack(weight, 1)
+    packed_m = onednn_pack(weight, m) if m != 1 else packed_1
+    mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+    return {
+        "F.linear": lambda x: F.linear(x, weight, bias),
+        "addmm W^T": (lambda x: torch.addmm(bias, x, weight_t))
+        if bias is not None
+        else (lambda x: x @ weight_t),
+        "onednn dense": lambda x: onednn_linear(x, weight, bias),
+        "onednn pk1": lambda x: onednn_linear(x, packed_1, bias),
+        "onednn pkM": lambda x: onednn_linear(x, packed_m, bias),
+        # MKL's packed GEMM only works for the exact M it was packed for (other M fall back to F.linear on
+        # the dense weight, which it therefore also keeps: 2x memory).
+        "mkl pkM": lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, bias, m),
+    }
+
+
+def bench_shape(
+    in_features: int, out_features: int, m_values: list[int], rounds: int, bias: bool = False
+) -> dict[int, dict[str, list[float]]]:
+    """{M: {kernel: [seconds per call, one per round]}}."""
+    weight_bytes = in_features * out_features * 4
+    copies = max(1, -(-CACHE_FLUSH_BYTES // weight_bytes)) if weight_bytes < CACHE_FLUSH_BYTES else 1
+    weights = [torch.randn(out_features, in_features) / in_features**0.5 for _ in range(copies)]
+    biases = [torch.randn(out_features) if bias else None for _ in range(copies)]
+    results: dict[int, dict[str, list[float]]] = {}
+    for m in m_values:
+        sets = [_kernels(w, b, m) for w, b in zip(weights, biases, strict=True)]
+        x = torch.randn(m, in_features)
+        names = list(sets[0])
+        times: dict[str, list[float]] = {name: [] for name in names}
+        with torch.inference_mode():
+            for name in names:  # warm-up: first calls allocate and JIT oneDNN primitives
+                for ks in sets:
+                    ks[name](x)
+            for _ in range(rounds):
+                for name in names:
+                    start = time.perf_counter()
+                    for ks in sets:
+                        ks[name](x)
+                    times[name].append((time.perf_counter() - start) / copies)
+        results[m] = times
+        del sets
+    return results
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def packed_memory_report(in_features: int = 1536, out_features: int = 151936) -> str:
+    """Resident memory of a dense weight, with its oneDNN packed copy, and of the packed copy alone."""
+    base = _rss_bytes()
+    weight = torch.randn(out_features, in_features)
+    dense = _rss_bytes() - base
+    packed = onednn_pack(weight, 1)
+    both = _rss_bytes() - base
+    del weight
+    only_packed = _rss_bytes() - base
+    del packed
+    return (
+        f"memory, {in_features}->{out_features} fp32: dense {dense / 2**20:.0f} MiB, dense+packed "
+        f"{both / 2**20:.0f} MiB, packed only {only_packed / 2**20:.0f} MiB"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=M_VALUES, help="rows per call")
+    parser.add_argument("--shapes", nargs="+", default=[s[0] for s in QWEN_1_5B_SHAPES])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--bias", action="store_true", help="time with a bias (q/k/v in Qwen have one)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
+    print("ms per call: median [min] of rounds; GB/s = weight bytes / median time")
+    for name, k, n in QWEN_1_5B_SHAPES:
+        if name not in args.shapes:
+            continue
+        results = bench_shape(k, n, args.m, args.rounds, args.bias)
+        kernels = list(next(iter(results.values())))
+        gb = k * n * 4 / 1e9
+        print(f"\n{name} {k}->{n} ({gb * 1e3:.1f} MB of weight)")
+        print(f"{'M':>4} " + " ".join(f"{kn:>22}" for kn in kernels))
+        for m, times in results.items():
+            cells = []
+            for kn in kernels:
+                med, low = statistics.median(times[kn]), min(times[kn])
+                cells.append(f"{med * 1e3:7.2f} [{low * 1e3:6.2f}] {gb / med:4.1f}")
+            print(f"{m:>4} " + " ".join(f"{c:>22}" for c in cells))
+    print(f"\n{packed_memory_report()}")
+    print(f"load average at the end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""What the engine hands back to users: one RequestOutput per request update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.engine.sequence import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None
+    # What is new since the previous update of this request (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None

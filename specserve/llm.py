@@ -1,0 +1,107 @@
+"""The Python API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+
+from tqdm import tqdm
+
+from specserve.config import EngineConfig, SamplingParams, SpecserveError
+from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.outputs import RequestOutput
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching."""
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. Every request is validated before any of them runs."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params)]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
+            while any(not s.is_finished for s in seqs):
+                for update in self.engine.step():
+                    bar.update(int(update.finished))
+        return [self.engine.final_output(s) for s in seqs]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, **(chat_template_kwargs or {}))}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], **kwargs) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise SpecserveError("this model has no chat template; use generate() with a plain prompt")
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise SpecserveError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields an update whenever the request gains tokens; `outputs[0].delta_text` is the new text.
+
+        Closing the iterator early aborts the request and frees its KV cache.
+        """
+        seq = self.engine.make_sequence(prompt, sampling_params or SamplingParams())
+        self.engine.add_sequence(seq)
+        try:
+            while not seq.is_finished:
+                for update in self.engine.step():
+                    if update.request_id == seq.request_id:
+                        yield update
+        finally:
+            if not seq.is_finished:
+                self.engine.abort(seq.request_id)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    prompt_list = list(prompts)
+    if not prompt_list:
+        raise SpecserveError("no prompts given")
+    return prompt_list
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise SpecserveError(f"got {len(params)} sampling_params for {n} prompts")
+    return params

@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(arch) -> a saved random model directory (no tokenizer), built once per session."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return get

@@ -1,0 +1,74 @@
+"""Tiny random transformers models of every supported architecture, saved to disk once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 256
+
+
+def _configs() -> dict[str, transformers.PretrainedConfig]:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return {
+        "qwen2": transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": transformers.Qwen3Config(**common),
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+        "gemma3": transformers.Gemma3TextConfig(
+            **common, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+        ),
+        "gemma4": transformers.Gemma4TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            global_head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=30.0,
+        ),
+    }
+
+
+ARCHS = list(_configs())
+
+
+def _model_class(arch: str):
+    return {
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
+        "gemma4": transformers.Gemma4ForCausalLM,
+    }[arch]
+
+
+def build_reference(arch: str, seed: int = 0):
+    """A transformers model with all parameters randomised (norm weights included), in eval mode."""
+    torch.manual_seed(seed)
+    model = _model_class(arch)(_configs()[arch]).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2 if p.dim() == 1 else 0.08)
+    return model
+
+
+def save_tiny_model(arch: str, directory: Path) -> Path:
+    model = build_reference(arch)
+    model.generation_config.eos_token_id = None  # random models hit eos by chance; tests pass ignore_eos
+    model.save_pretrained(directory)
+    return directory
