@@ -190,7 +190,8 @@ class LLMEngine:
             [s.generator for s in to_sample],
             generator=self.generator,
         )
-        num_logprobs = max((s.params.logprobs or 0) for s in to_sample)
+        wanted = [s.params.logprobs for s in to_sample if s.params.logprobs is not None]
+        num_logprobs = max(wanted) if wanted else None
         result = sample(out.logits, batch, num_logprobs=num_logprobs)
         sampled = []
         for i, seq in enumerate(to_sample):
