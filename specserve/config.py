@@ -163,3 +163,66 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+VERIFY_POLICIES = ("fixed",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings; the JSON keys are vLLM's (`--speculative-config '{...}'`)."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    verify_policy: str = "fixed"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method in SPECULATIVE_METHODS,
+            f"unknown speculative method {self.method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}",
+        )
+        _check(
+            isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+            f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}",
+        )
+        _check(
+            self.verify_policy in VERIFY_POLICIES,
+            f"unknown verify_policy {self.verify_policy!r}; choose one of {', '.join(VERIFY_POLICIES)}",
+        )
+        if self.method == "draft_model":
+            _check(bool(self.model), "method 'draft_model' needs 'model': the draft model's name or path")
+        if self.method == "ngram":
+            _check(
+                isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+                f"prompt_lookup_min must be an integer >= 1, got {self.prompt_lookup_min!r}",
+            )
+            _check(
+                isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+                f"prompt_lookup_max must be an integer >= prompt_lookup_min, got {self.prompt_lookup_max!r}",
+            )
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a config, a dict, or a JSON string (as the CLI passes it); unknown keys are errors."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpecserveError(f"speculative config is not valid JSON: {e}") from None
+        _check(isinstance(value, dict), "speculative config must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        _check(
+            not unknown,
+            f"unknown speculative config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+        )
+        _check("method" in value, "speculative config needs 'method'")
+        return cls(**value)

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
-from specserve.config import EngineConfig, SamplingParams, SpecserveError
+from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import RequestOutput
 
@@ -17,8 +17,10 @@ Message = dict[str, str]
 class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching."""
 
-    def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(
+        self, model: str, speculative_config: SpeculativeConfig | dict | str | None = None, **engine_args
+    ):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), speculative_config)
 
     @property
     def tokenizer(self):

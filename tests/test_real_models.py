@@ -18,44 +18,49 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen_small():
+def load_or_skip(name: str, **kwargs) -> LLM:
     try:
-        return LLM("qwen2.5-coder-0.5b", max_model_len=1024, kv_cache_memory="512MiB")
+        return LLM(name, **kwargs)
     except Exception as exc:  # the local-models extra is not installed
-        pytest.skip(f"local model unavailable: {exc}")
+        pytest.skip(f"local model {name} unavailable: {exc}")
 
 
-def test_qwen_0_5b_greedy_matches_transformers(qwen_small):
+def transformers_greedy(name: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     from specserve.models.loader import resolve_model
 
-    reference = AutoModelForCausalLM.from_pretrained(resolve_model("qwen2.5-coder-0.5b"), dtype=torch.float32)
-    tok = qwen_small.tokenizer
-    prompt_ids = [qwen_small.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    ours = qwen_small.generate(
-        [{"prompt_token_ids": ids} for ids in prompt_ids],
-        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
-    )
-    for ids, out in zip(prompt_ids, ours):
+    reference = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32).eval()
+    outs = []
+    for ids in prompts:
         with torch.inference_mode():
-            ref = reference.generate(
+            out = reference.generate(
                 torch.tensor([ids]),
-                max_new_tokens=64,
-                min_new_tokens=64,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=False,
                 eos_token_id=None,
-                pad_token_id=tok.pad_token_id,
+                pad_token_id=0,
             )
-        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
-    assert "def" in ours[0].outputs[0].text or "palindrome" in ours[0].outputs[0].text
+        outs.append(out[0, len(ids) :].tolist())
+    return outs
 
 
-def test_gemma_270m_generates_text():
-    try:
-        llm = LLM("gemma-3-270m", max_model_len=512, kv_cache_memory="256MiB")
-    except Exception as exc:
-        pytest.skip(f"local model unavailable: {exc}")
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))[0]
-    assert "Paris" in out.outputs[0].text
+def greedy_ids(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def test_qwen_0_5b_greedy_matches_transformers():
+    llm = load_or_skip("qwen2.5-coder-0.5b", max_model_len=1024, kv_cache_memory="512MiB")
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    ours = greedy_ids(llm, prompts, 64)
+    assert ours == transformers_greedy("qwen2.5-coder-0.5b", prompts, 64)
+    assert "def" in llm.tokenizer.decode(ours[0])
+
+
+def test_gemma_270m_greedy_matches_transformers():
+    llm = load_or_skip("gemma-3-270m", max_model_len=1024, kv_cache_memory="256MiB")
+    prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
+    assert greedy_ids(llm, prompts, 64) == transformers_greedy("gemma-3-270m", prompts, 64)

@@ -7,12 +7,11 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
 
-from specserve.config import EngineConfig, SamplingParams, SpecserveError
+from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
 from specserve.engine.detokenizer import Detokenizer
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.model_runner import ModelRunner, PieceInput, kv_bytes_per_block
@@ -22,6 +21,9 @@ from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import SamplingBatch, sample
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
+from specserve.spec.drafters import build_drafter
+from specserve.spec.metrics import SpecStats
+from specserve.spec.rejection import build_verify_batch, rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,9 @@ def eos_token_ids(model_config, tokenizer, generation_config: dict | None = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self, config: EngineConfig, speculative_config: SpeculativeConfig | dict | str | None = None
+    ):
         self.config = config
         model_dir = resolve_model(config.model, revision=config.revision)
         self.model, hf_config, self.tokenizer = load_model(str(model_dir), dtype=config.torch_dtype)
@@ -79,6 +83,9 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.spec_config = SpeculativeConfig.from_value(speculative_config)
+        self.spec_stats = SpecStats()
+        self.drafter = build_drafter(self.spec_config, self) if self.spec_config else None
 
     # ---- requests -------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
@@ -153,60 +160,148 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return an update for every request that changed."""
+        """Propose drafts, schedule, run the target once, sample or verify, and return an update for every
+        request that changed."""
+        if self.drafter is not None:
+            self._propose()
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            self._release_draft_state(seq)
         if not plan.pieces:
             return []
         now = time.monotonic()
         for piece in plan.pieces:
             if piece.seq.metrics.first_scheduled_time is None:
                 piece.seq.metrics.first_scheduled_time = now
-        sampled = self._run(plan)
+        start = time.perf_counter()
+        results = self._run(plan)
+        if any(p.num_drafts for p in plan.pieces):
+            self.spec_stats.verification_s += time.perf_counter() - start
         updates = []
-        for piece in plan.pieces:
-            piece.seq.num_computed_tokens += piece.num_tokens
-        for seq, token, logprobs in sampled:
-            self._append_token(seq, token, logprobs)
-            updates.append(self._output(seq))
+        for piece, (tokens, num_accepted, logprobs) in zip(plan.pieces, results):
+            seq = piece.seq
+            seq.num_computed_tokens += piece.num_tokens + num_accepted
+            seq.draft = None
+            if piece.num_drafts:
+                seq.spec_stats.record(piece.num_drafts, num_accepted)
+                self.spec_stats.record(piece.num_drafts, num_accepted)
+            for i, token in enumerate(tokens):
+                self._append_token(seq, token, logprobs[i] if logprobs else None)
+                if seq.is_finished:
+                    break
+            if tokens:
+                updates.append(self._output(seq))
+            if piece.num_drafts and not seq.is_finished:
+                # Roll back by length: blocks past the verified tokens go back to the free list.
+                self.block_manager.shrink(seq, seq.num_tokens)
         return updates
 
-    def _run(self, plan: SchedulerOutput) -> list[tuple[Sequence, int, dict | None]]:
-        inputs, rows, to_sample = [], [], []
+    def _propose(self) -> None:
+        """Drafts for every running sequence whose next step is a decode step (one token not yet cached)."""
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        if not decoding:
+            return
+        start = time.perf_counter()
+        proposals = self.drafter.propose(decoding, self.spec_config.num_speculative_tokens)
+        self.spec_stats.drafting_s += time.perf_counter() - start
+        for seq, proposal in zip(decoding, proposals):
+            # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
+            room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            proposal = proposal.truncate(max(0, room))
+            seq.draft = proposal if proposal.token_ids else None
+
+    def _run(self, plan: SchedulerOutput) -> list[tuple[list[int], int, list[dict] | None]]:
+        """One target forward; per piece the new tokens, how many drafts were accepted, and logprobs."""
+        inputs, rows = [], []
         offset = 0
         for piece in plan.pieces:
             inputs.append(PieceInput(piece.token_ids, piece.start, piece.seq.block_table))
-            offset += piece.num_tokens
+            offset += piece.num_query_tokens
             if piece.reaches_end:
-                rows.append(offset - 1)
-                to_sample.append(piece.seq)
-        out = self.runner.forward(inputs, rows)
-        if not to_sample:
-            return []
+                rows.extend(range(offset - piece.num_drafts - 1, offset))
+        logits = self.runner.forward(inputs, rows).logits
+        results: list[tuple[list[int], int, list[dict] | None]] = [([], 0, None)] * len(plan.pieces)
+        plain = [i for i, p in enumerate(plan.pieces) if p.reaches_end and not p.num_drafts]
+        verify = [i for i, p in enumerate(plan.pieces) if p.num_drafts]
+        row_of_piece, row = {}, 0
+        for i, piece in enumerate(plan.pieces):
+            if piece.reaches_end:
+                row_of_piece[i] = row
+                row += piece.num_drafts + 1
+        if plain:
+            picked = logits[torch.tensor([row_of_piece[i] for i in plain])]
+            for i, result in zip(plain, self._sample([plan.pieces[i].seq for i in plain], picked)):
+                results[i] = result
+        if verify:
+            rows_v = torch.cat(
+                [
+                    torch.arange(row_of_piece[i], row_of_piece[i] + plan.pieces[i].num_drafts + 1)
+                    for i in verify
+                ]
+            )
+            for i, result in zip(verify, self._verify([plan.pieces[i] for i in verify], logits[rows_v])):
+                results[i] = result
+        return results
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> list[tuple[list[int], int, list[dict] | None]]:
         batch = SamplingBatch.build(
-            [s.params for s in to_sample],
-            [s.prompt_token_ids for s in to_sample],
-            [s.output_token_ids for s in to_sample],
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
             self.vocab_size,
-            [s.generator for s in to_sample],
+            [s.generator for s in seqs],
             generator=self.generator,
         )
-        wanted = [s.params.logprobs for s in to_sample if s.params.logprobs is not None]
-        num_logprobs = max(wanted) if wanted else None
-        result = sample(out.logits, batch, num_logprobs=num_logprobs)
-        sampled = []
-        for i, seq in enumerate(to_sample):
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        result = sample(logits, batch, num_logprobs=max(wanted) if wanted else None)
+        out = []
+        for i, seq in enumerate(seqs):
             token = int(result.token_ids[i])
             logprobs = None
             if seq.params.logprobs is not None:
                 logprobs = {token: float(result.logprobs[i])}
                 if seq.params.logprobs:
                     ids, values = result.top_logprobs
-                    for t, v in zip(
-                        ids[i, : seq.params.logprobs].tolist(), values[i, : seq.params.logprobs].tolist()
-                    ):
+                    n = seq.params.logprobs
+                    for t, v in zip(ids[i, :n].tolist(), values[i, :n].tolist()):
                         logprobs.setdefault(t, v)
-            sampled.append((seq, token, logprobs))
-        return sampled
+                logprobs = [logprobs]
+            out.append(([token], 0, logprobs))
+        return out
+
+    def _verify(self, pieces: list, logits: torch.Tensor) -> list[tuple[list[int], int, list[dict] | None]]:
+        seqs = [p.seq for p in pieces]
+        drafts = [p.seq.draft.truncate(p.num_drafts) for p in pieces]
+        batch = build_verify_batch(
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [d.token_ids for d in drafts],
+            self.vocab_size,
+            [s.generator for s in seqs],
+            generator=self.generator,
+        )
+        result = rejection_sample(logits, batch, [d.token_ids for d in drafts], [d.probs for d in drafts])
+        out = []
+        row = 0
+        for r, seq in enumerate(seqs):
+            tokens = result.token_ids[r]
+            logprobs = None
+            if seq.params.logprobs is not None:
+                raw = logits[row : row + len(tokens)].float().log_softmax(-1)
+                logprobs = []
+                for j, token in enumerate(tokens):
+                    step = {token: float(raw[j, token])}
+                    if seq.params.logprobs:
+                        top = raw[j].topk(seq.params.logprobs)
+                        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                            step.setdefault(t, v)
+                    logprobs.append(step)
+            out.append((tokens, result.num_accepted[r], logprobs))
+            row += len(drafts[r].token_ids) + 1
+        return out
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
         if seq.metrics.first_token_time is None:
@@ -224,7 +319,13 @@ class LLMEngine:
         elif len(seq.output_token_ids) >= seq.max_tokens:
             self._finish(seq, "length")
 
+    def _release_draft_state(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        self._release_draft_state(seq)
+        seq.draft = None
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.metrics.finish_time = time.monotonic()
@@ -258,9 +359,3 @@ class LLMEngine:
 
     def final_output(self, seq: Sequence) -> RequestOutput:
         return self._output(seq)
-
-    def run_to_completion(self, seqs: Seq[Sequence]) -> None:
-        for seq in seqs:
-            self.add_sequence(seq)
-        while any(not s.is_finished for s in seqs):
-            self.step()

@@ -18,15 +18,21 @@ from specserve.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledPiece:
-    """`num_tokens` tokens of `seq` starting at position `start` go through the model this step."""
+    """`num_tokens` tokens of `seq` from position `start`, then `num_drafts` of its draft tokens to verify."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    num_drafts: int = 0
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start : self.start + self.num_tokens]
+        own = self.seq.all_token_ids[self.start : self.start + self.num_tokens]
+        return own + self.seq.draft.token_ids[: self.num_drafts] if self.num_drafts else own
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_tokens + self.num_drafts
 
     @property
     def reaches_end(self) -> bool:
@@ -41,7 +47,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.pieces)
+        return sum(p.num_query_tokens for p in self.pieces)
 
 
 class Scheduler:
@@ -66,14 +72,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            # Drafts (set only on decode steps) ride along as far as the budget allows.
+            drafts = len(seq.draft.token_ids) if seq.draft is not None else 0
+            n = min(seq.num_uncomputed_tokens + drafts, budget)
             while not bm.can_grow(seq, seq.num_computed_tokens + n) and self.running[-1] is not seq:
                 out.preempted.append(self._preempt(self.running.pop()))
             if not bm.can_grow(seq, seq.num_computed_tokens + n):
                 out.preempted.append(self._preempt(self.running.pop()))
                 break
             bm.grow(seq, seq.num_computed_tokens + n)
-            out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, n))
+            own = min(n, seq.num_uncomputed_tokens)
+            out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, own, n - own))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
@@ -91,6 +100,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.block_manager.free(seq)
+        seq.draft = None
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
+from specserve.spec.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +63,9 @@ class Sequence:
     output_text: str = ""
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
+    # Draft tokens proposed for the next step (a DraftProposal) and this request's speculative counters.
+    draft: object | None = None
+    spec_stats: SpecStats = field(default_factory=SpecStats)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,0 +1,22 @@
+"""Drafters propose tokens for the target to verify; `build_drafter` picks one from the config."""
+
+from __future__ import annotations
+
+from specserve.config import SpeculativeConfig
+from specserve.spec.drafters.base import Drafter, DraftProposal
+
+
+def build_drafter(config: SpeculativeConfig, target) -> Drafter:
+    """`target` is the LLMEngine whose model the drafter serves (vocabulary, KV budget, dtype)."""
+    if config.method == "ngram":
+        from specserve.spec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from specserve.spec.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.from_config(config, target)
+    raise ValueError(f"no drafter for method {config.method!r}")
+
+
+__all__ = ["DraftProposal", "Drafter", "build_drafter"]

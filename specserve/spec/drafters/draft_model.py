@@ -1,0 +1,115 @@
+"""A smaller model with the target's tokenizer drafts k tokens autoregressively, in its own paged KV cache.
+
+Each round is k batched forwards of the draft model over all proposing sequences: the first feeds every
+token the draft cache has not seen yet (the tokens accepted last round and the new bonus token), the
+others one drafted token each. Drafts are sampled with the request's own sampling parameters and their
+q rows kept for rejection sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.engine.kv_cache import BlockManager
+from specserve.engine.model_runner import ModelRunner, PieceInput
+from specserve.engine.sequence import Sequence
+from specserve.layers.sampler import SamplingBatch, draw_exponential, target_probs
+from specserve.models.loader import load_model
+from specserve.spec.drafters.base import Drafter, DraftProposal
+
+
+@dataclass
+class DraftState:
+    """Tokens whose K/V the draft cache holds for one sequence, in position order."""
+
+    fed: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, target):
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.vocab_size = target.vocab_size
+        self.generator = target.generator  # unseeded requests draw from the engine's generator
+        self.states: dict[str, DraftState] = {}
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, target) -> DraftModelDrafter:
+        model, hf_config, tokenizer = load_model(config.model, dtype=target.config.torch_dtype)
+        draft_vocab = getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size", None)
+        if draft_vocab != target.vocab_size:
+            raise SpecserveError(
+                f"draft model {config.model!r} has vocabulary size {draft_vocab}, the target has "
+                f"{target.vocab_size}: a draft model must share the target's tokenizer"
+            )
+        if (
+            tokenizer is not None
+            and target.tokenizer is not None
+            and tokenizer.get_vocab() != target.tokenizer.get_vocab()
+        ):
+            raise SpecserveError(
+                f"draft model {config.model!r} has a different tokenizer vocabulary than the target"
+            )
+        # As many blocks as the target plus one per sequence: drafts run ahead of the target's reservation by
+        # at most k - 1 tokens, so the draft cache can never run out while the target's has room.
+        num_blocks = target.block_manager.num_blocks + target.config.max_num_seqs
+        return cls(model, num_blocks, target.config.block_size, target.config.torch_dtype, target)
+
+    def release(self, seq: Sequence) -> None:
+        state = self.states.pop(seq.request_id, None)
+        if state is not None:
+            self.blocks.shrink(state, 0)
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+        if not seqs:
+            return []
+        states = [self._sync(seq) for seq in seqs]
+        drafted: list[list[int]] = [[] for _ in seqs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for _ in range(num_tokens):
+            pieces = []
+            for seq, state, drafts in zip(seqs, states, drafted):
+                tokens = seq.all_token_ids + drafts
+                new = tokens[len(state.fed) :]
+                self.blocks.grow(state, len(tokens))
+                pieces.append(PieceInput(new, len(state.fed), state.block_table))
+                state.fed = tokens
+            rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
+            logits = self.runner.forward(pieces, rows.tolist()).logits
+            batch = SamplingBatch.build(
+                [s.params for s in seqs],
+                [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids + d for s, d in zip(seqs, drafted)],
+                self.vocab_size,
+                [s.generator for s in seqs],
+                generator=self.generator,
+            )
+            q = target_probs(logits, batch)
+            tokens = (q / draw_exponential(batch, q.shape[1])).argmax(dim=-1).tolist()
+            for i, token in enumerate(tokens):
+                drafted[i].append(token)
+                q_rows[i].append(q[i])
+        # The last draft was sampled but never fed: the cache holds tokens up to d_{k-1}.
+        return [DraftProposal(d, torch.stack(rows)) for d, rows in zip(drafted, q_rows)]
+
+    def _sync(self, seq: Sequence) -> DraftState:
+        """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""
+        state = self.states.setdefault(seq.request_id, DraftState())
+        keep = common_prefix_len(state.fed, seq.all_token_ids)
+        # The newest token must be fed so that its logits are computed this round.
+        keep = min(keep, seq.num_tokens - 1)
+        del state.fed[keep:]
+        self.blocks.shrink(state, keep)
+        return state
