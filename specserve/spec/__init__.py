@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verify planners and the lossless rejection sampler."""
