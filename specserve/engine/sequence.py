@@ -35,7 +35,7 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks sequences up in its queues
 class Sequence:
     """Prompt, generated tokens and how much of them the KV cache holds.
 

@@ -90,50 +90,47 @@ class AttentionMetadata:
         positions: torch.Tensor,
         block_size: int,
     ) -> AttentionMetadata:
-        slots = []
-        for p, table in enumerate(block_tables):
-            n_new = query_start[p + 1] - query_start[p]
-            for pos in range(context_lens[p] - n_new, context_lens[p]):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_pieces = len(context_lens)
+        q_lens = [query_start[p + 1] - query_start[p] for p in range(num_pieces)]
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        piece_of_token = torch.repeat_interleave(torch.arange(num_pieces), torch.tensor(q_lens))
+        slots = tables[piece_of_token, positions // block_size] * block_size + positions % block_size
         meta = cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=slots,
             query_start=query_start,
             context_lens=context_lens,
             block_tables=block_tables,
             positions=positions,
             block_size=block_size,
         )
-        short = [
-            p
-            for p in range(len(context_lens))
-            if query_start[p + 1] - query_start[p] <= BATCHED_PIECE_MAX_LEN
-        ]
-        long = [p for p in range(len(context_lens)) if p not in set(short)]
-        meta.groups = [meta._group(g) for g in ([short] if short else []) + [[p] for p in long]]
+        short = [p for p in range(num_pieces) if q_lens[p] <= BATCHED_PIECE_MAX_LEN]
+        long = [p for p in range(num_pieces) if q_lens[p] > BATCHED_PIECE_MAX_LEN]
+        meta.groups = [meta._group(g, tables) for g in ([short] if short else []) + [[p] for p in long]]
         return meta
 
     @property
     def num_tokens(self) -> int:
         return self.query_start[-1]
 
-    def _group(self, pieces: list[int]) -> PieceGroup:
-        q_lens = [self.query_start[p + 1] - self.query_start[p] for p in pieces]
-        max_q, max_kv = max(q_lens), max(self.context_lens[p] for p in pieces)
-        rows = torch.zeros(len(pieces), max_q, dtype=torch.long)
-        valid = torch.zeros(len(pieces), max_q, dtype=torch.bool)
-        for g, p in enumerate(pieces):
-            rows[g, : q_lens[g]] = torch.arange(self.query_start[p], self.query_start[p + 1])
-            valid[g, : q_lens[g]] = True
+    def _group(self, pieces: list[int], tables: torch.Tensor) -> PieceGroup:
+        idx = torch.tensor(pieces)
+        starts = torch.tensor(self.query_start)
+        q_start, q_lens = starts[idx], starts[idx + 1] - starts[idx]
+        kv_len = torch.tensor(self.context_lens)[idx]
+        offsets = torch.arange(int(q_lens.max()))
+        valid = offsets[None, :] < q_lens[:, None]
+        rows = torch.where(valid, q_start[:, None] + offsets, 0)
         bs = self.block_size
-        n_blocks = -(-max_kv // bs)
-        tables = torch.tensor([(self.block_tables[p] + [0] * n_blocks)[:n_blocks] for p in pieces])
-        kv_index = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(pieces), -1)[:, :max_kv]
+        max_kv = int(kv_len.max())
+        group_tables = tables[idx, : -(-max_kv // bs)]
+        kv_index = (group_tables[:, :, None] * bs + torch.arange(bs)).reshape(len(pieces), -1)[:, :max_kv]
         return PieceGroup(
             row_index=rows,
             row_valid=valid,
             query_pos=self.positions[rows],
             kv_index=kv_index,
-            kv_len=torch.tensor([self.context_lens[p] for p in pieces]),
+            kv_len=kv_len,
         )
 
 
