@@ -14,13 +14,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def hf_greedy(arch: str, prompt: list[int], new_tokens: int) -> list[int]:
     model = build_reference(arch)
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -73,7 +80,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(qwen3_dir):
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True)
     alone = llm.generate([prompt], params)[0].outputs[0].token_ids
     mixed = llm.generate(
-        prompts(5, seed=11) + [prompt], [SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)] * 5 + [params]
+        prompts(5, seed=11) + [prompt],
+        [SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)] * 5 + [params],
     )
     assert mixed[-1].outputs[0].token_ids == alone
     other = llm.generate([prompt], SamplingParams(temperature=1.0, seed=4321, max_tokens=32, ignore_eos=True))
@@ -86,7 +94,9 @@ def test_stop_token_ids_and_max_tokens(qwen3_dir):
     full = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     stop_at = full[10]
     first = full.index(stop_at)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[stop_at], ignore_eos=True)
+    )[0]
     assert out.outputs[0].token_ids == full[: first + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_at)
     short = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
@@ -95,7 +105,9 @@ def test_stop_token_ids_and_max_tokens(qwen3_dir):
 
 def test_generation_stops_at_max_model_len(qwen3_dir):
     llm = LLM(qwen3_dir, max_model_len=40)
-    out = llm.generate([list(range(3, 33))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+    out = llm.generate(
+        [list(range(3, 33))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    )[0]
     assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
 
 
@@ -113,7 +125,9 @@ def test_stream_deltas_add_up_and_early_close_frees_cache(qwen3_dir):
 
 def test_logprobs(qwen3_dir):
     llm = LLM(qwen3_dir, max_model_len=256)
-    out = llm.generate([prompts(1)[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate(
+        [prompts(1)[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )[0]
     steps = out.outputs[0].logprobs
     assert len(steps) == 4
     for token, step in zip(out.outputs[0].token_ids, steps):

@@ -31,7 +31,9 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
         ),
         "gemma3": transformers.Gemma3TextConfig(
-            **common, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+            **common,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
         "gemma4": transformers.Gemma4TextConfig(
             **{**common, "num_hidden_layers": 4},

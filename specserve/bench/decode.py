@@ -115,12 +115,18 @@ def run_decode_benchmark(
     for bs in batch_sizes:
         prompts = make_prompts(llm.tokenizer, bs, prompt_len)
         ours = _time_specserve(llm, prompts, new_tokens)
-        row = {"batch_size": bs, "specserve": asdict(ours), "specserve_tokens_per_s": ours.decode_tokens_per_s}
+        row = {
+            "batch_size": bs,
+            "specserve": asdict(ours),
+            "specserve_tokens_per_s": ours.decode_tokens_per_s,
+        }
         line = f"batch {bs:3d}: specserve {ours.decode_tokens_per_s:7.2f} tok/s"
         if reference is not None:
             theirs = _time_transformers(reference, prompts, new_tokens)
             ratio = ours.decode_tokens_per_s / theirs.decode_tokens_per_s
-            row.update(transformers=asdict(theirs), transformers_tokens_per_s=theirs.decode_tokens_per_s, ratio=ratio)
+            row.update(
+                transformers=asdict(theirs), transformers_tokens_per_s=theirs.decode_tokens_per_s, ratio=ratio
+            )
             line += f" | transformers {theirs.decode_tokens_per_s:7.2f} tok/s | ratio {ratio:.2f}x"
         if bs == 1:
             row["roofline_fraction"] = ours.decode_tokens_per_s / roofline
