@@ -17,6 +17,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -49,9 +54,11 @@ def _generate(args: argparse.Namespace) -> int:
     n = len(final.outputs[0].token_ids)
     ttft = final.metrics.time_to_first_token or 0.0
     decode_rate = (n - 1) / (elapsed - ttft) if n > 1 and elapsed > ttft else 0.0
+    spec = llm.engine.spec_stats
+    tau = f", tau {spec.mean_acceptance_length:.2f}" if llm.engine.drafter is not None else ""
     print(
         f"\n[{n} tokens, finish={final.outputs[0].finish_reason}, time to first token {ttft:.2f}s, "
-        f"{decode_rate:.2f} tokens/s decode, {n / elapsed:.2f} tokens/s overall]",
+        f"{decode_rate:.2f} tokens/s decode, {n / elapsed:.2f} tokens/s overall{tau}]",
         file=sys.stderr,
     )
     return 0
