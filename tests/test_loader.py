@@ -419,6 +419,7 @@ def test_missing_packages_suggest_the_extra(cache, monkeypatch):
     assert not (cache / "gguf").exists() or not any((cache / "gguf").glob("*.gguf"))
 
 
+@pytest.mark.slow  # needs the local-models extra (`make install-models`)
 @pytest.mark.parametrize("name", sorted(local_models.LOCAL_MODELS))
 def test_local_model_chunks_are_installed(name):
     model = local_models.LOCAL_MODELS[name]
