@@ -37,16 +37,24 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: models are built on the meta device and must keep these values.
         self.inv_freq = inv_freq.float().cpu()
         self.attention_scaling = attention_scaling
+        self._cached: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a forward passes the same positions tensor: compute the table once per forward.
+        if self._cached is not None and self._cached[0] is positions:
+            return self._cached[1]
         freqs = positions[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        table = (
+            (emb.cos() * self.attention_scaling)[:, None, :],
+            (emb.sin() * self.attention_scaling)[:, None, :],
+        )
+        self._cached = (positions, table)
+        return table
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each x is [N, heads, head_dim]; positions is [N]."""
         cos, sin = self.cos_sin(positions)
-        cos, sin = cos[:, None, :], sin[:, None, :]
         rot = cos.shape[-1]
         out = []
         for x in xs:
