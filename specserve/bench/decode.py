@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specserve.config import SamplingParams
+from specserve.layers.linear import PackedLinear
 from specserve.llm import LLM
 
 
@@ -44,22 +45,17 @@ def copy_bandwidth_gb_s(size_mb: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decode step reads: every matrix, except embedding rows it only indexes."""
+    """Bytes of weights a batch-1 decode step reads: every linear layer (the LM head included; a tied head
+    reads the embedding matrix), not the embedding rows it only indexes."""
     total = 0
-    seen = set()
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        if "embed_tokens" in name and not _is_tied(model, p):
-            continue
-        total += p.numel() * p.element_size()
+    has_head = False
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear | PackedLinear):
+            total += module.in_features * module.out_features * 4
+            has_head |= name.endswith("lm_head")
+    if not has_head:
+        total += model.model.embed_tokens.weight.numel() * 4
     return total
-
-
-def _is_tied(model, param) -> bool:
-    head = getattr(model, "lm_head", None)
-    return head is not None and head.weight.data_ptr() == param.data_ptr()
 
 
 def make_prompts(tokenizer, batch_size: int, prompt_len: int) -> list[list[int]]:

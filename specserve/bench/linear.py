@@ -2,17 +2,25 @@
 
 Run as `python -m specserve.bench.linear`. For every (shape, M) it times each kernel and prints ms per
 call and the achieved bandwidth of the weight read (weight bytes / time): at small M a linear layer is bound
-by memory bandwidth, so GB/s against the machine's ~22 GB/s read roofline says how close a kernel gets.
+by memory bandwidth, so GB/s says how close a kernel gets to the read roofline (the best kernels here reach
+40-47 GB/s on a quiet machine, about twice the ~22 GB/s copy bandwidth).
 
 Weights are cycled through enough copies to overflow the last-level cache, as in a real forward where each
 layer's weight was evicted since its last use. Kernels are timed round-robin (one call of each in turn, many
 rounds) so that load from other processes on the shared machine hits them all alike; the table reports the
-median, and the minimum in brackets. The 1-thread/2-thread spread between runs is the noise to expect.
+median and, in brackets, the minimum, from which the GB/s column is computed.
+
+Noise: on this shared 2-core VM, memory bandwidth also depends on neighbours, so absolute numbers drift by
+~20% between runs; the ratios between kernels of one run are what to read. Worse, while any other process
+is busy, every multi-threaded call (oneDNN always; MKL at M > 1) waits out a scheduler slice with libgomp's
+default spin-wait policy: ~7.7 ms per call, whatever its size. Run it on a quiet machine, or with
+`OMP_WAIT_POLICY=PASSIVE`, which removes those stalls.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -21,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.linear import onednn_linear, onednn_pack
+from specserve.layers.linear import onednn_linear, onednn_linear_padded, onednn_pack
 
 # (name, in_features, out_features) of Qwen2.5-Coder-1.5B's linear layers
 QWEN_1_5B_SHAPES = [
@@ -40,20 +48,20 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 def _kernels(weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> dict[str, Kernel]:
     """Every candidate for one weight copy; setup (packing, transposing) happens here, outside the timing."""
     weight_t = weight.t().contiguous()
-    packed_1 = onednn_pack(weight, 1)
-    packed_m = onednn_pack(weight, m) if m != 1 else packed_1
+    plain = onednn_pack(weight, 1)  # hint 1: oneDNN keeps the plain [out, in] layout
+    blocked = onednn_pack(weight)  # the blocked layout PackedLinear uses
     mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
     return {
         "F.linear": lambda x: F.linear(x, weight, bias),
         "addmm W^T": (lambda x: torch.addmm(bias, x, weight_t))
         if bias is not None
         else (lambda x: x @ weight_t),
-        "onednn dense": lambda x: onednn_linear(x, weight, bias),
-        "onednn pk1": lambda x: onednn_linear(x, packed_1, bias),
-        "onednn pkM": lambda x: onednn_linear(x, packed_m, bias),
         # MKL's packed GEMM only works for the exact M it was packed for (other M fall back to F.linear on
         # the dense weight, which it therefore also keeps: 2x memory).
-        "mkl pkM": lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, bias, m),
+        "mkl packed(M)": lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, bias, m),
+        "onednn plain": lambda x: onednn_linear(x, plain, bias),
+        "onednn blocked": lambda x: onednn_linear(x, blocked, bias),
+        "PackedLinear": lambda x: onednn_linear_padded(x, blocked, bias),  # blocked, M < 4 padded to 4
     }
 
 
@@ -93,6 +101,7 @@ def _rss_bytes() -> int:
 
 def packed_memory_report(in_features: int = 1536, out_features: int = 151936) -> str:
     """Resident memory of a dense weight, with its oneDNN packed copy, and of the packed copy alone."""
+    gc.collect()
     base = _rss_bytes()
     weight = torch.randn(out_features, in_features)
     dense = _rss_bytes() - base
@@ -107,10 +116,19 @@ def packed_memory_report(in_features: int = 1536, out_features: int = 151936) ->
     )
 
 
+def _environment_note() -> str:
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    omp = os.environ.get("OMP_WAIT_POLICY", "default")
+    with open("/proc/self/smaps_rollup") as f:
+        huge = next((line.split(":")[1].strip() for line in f if line.startswith("AnonHugePages")), "?")
+    return f"OMP_WAIT_POLICY={omp}, THP_MEM_ALLOC_ENABLE={thp} (AnonHugePages now {huge})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=M_VALUES, help="rows per call")
-    parser.add_argument("--shapes", nargs="+", default=[s[0] for s in QWEN_1_5B_SHAPES])
+    parser.add_argument("--shapes", nargs="+", default=[s[0] for s in QWEN_1_5B_SHAPES], help="names to run")
+    parser.add_argument("--extra", nargs="+", default=[], metavar="IN:OUT", help="more shapes, e.g. 896:128")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--bias", action="store_true", help="time with a bias (q/k/v in Qwen have one)")
@@ -118,11 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
-    print("ms per call: median [min] of rounds; GB/s = weight bytes / median time")
-    for name, k, n in QWEN_1_5B_SHAPES:
-        if name not in args.shapes:
-            continue
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load}")
+    print(packed_memory_report())  # first, before the timing loops leave freed memory in the heap
+    print(_environment_note())
+    print("ms per call: median [min] of rounds; GB/s = weight bytes / min time (best achieved)")
+    extra = [(spec, *map(int, spec.split(":"))) for spec in args.extra]
+    for name, k, n in [s for s in QWEN_1_5B_SHAPES if s[0] in args.shapes] + extra:
         results = bench_shape(k, n, args.m, args.rounds, args.bias)
         kernels = list(next(iter(results.values())))
         gb = k * n * 4 / 1e9
@@ -132,10 +152,9 @@ def main(argv: list[str] | None = None) -> None:
             cells = []
             for kn in kernels:
                 med, low = statistics.median(times[kn]), min(times[kn])
-                cells.append(f"{med * 1e3:7.2f} [{low * 1e3:6.2f}] {gb / med:4.1f}")
+                cells.append(f"{med * 1e3:7.2f} [{low * 1e3:6.2f}] {gb / low:4.1f}")
             print(f"{m:>4} " + " ".join(f"{c:>22}" for c in cells))
-    print(f"\n{packed_memory_report()}")
-    print(f"load average at the end {os.getloadavg()}")
+    print(f"\nload average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

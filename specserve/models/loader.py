@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import SpecserveError
+from specserve.layers.linear import pack_linears
 from specserve.models import local_models
 
 # What snapshot_download fetches: config, weights, tokenizer and chat template files, nothing else.
@@ -227,4 +228,5 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, revision: str | N
         raise SpecserveError(f"{model}: {exc}") from exc
     net.load_weights(iter_checkpoint_tensors(model_dir))  # copy_ casts each tensor to `dtype`
     net.eval()
+    pack_linears(net)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
     return net, config, load_tokenizer(model_dir)

@@ -1,0 +1,145 @@
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.layers.linear import ENV_VAR, PackedLinear, linear_backend, onednn_available, pack_linears
+from tests.tiny_models import build_reference
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 48), (257, 130), (1536, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(in_features, out_features, bias):
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, out_features, bias=bias)
+    packed = PackedLinear(dense)
+    inputs = [torch.randn(in_features)]  # 1-D
+    inputs += [torch.randn(m, in_features) for m in (1, 2, 3, 8, 17, 64)]  # 2-D
+    inputs += [torch.randn(2, 5, in_features), torch.randn(1, 1, in_features), torch.randn(1, 2, in_features)]
+    inputs += [torch.randn(in_features, 6).t(), torch.randn(4, 3, in_features).transpose(0, 1)]  # strided
+    inputs += [torch.randn(0, in_features)]
+    with torch.inference_mode():
+        for x in inputs:
+            y, ref = packed(x), F.linear(x, dense.weight, dense.bias)
+            assert y.shape == ref.shape and y.dtype == torch.float32
+            if ref.numel():
+                assert _rel_err(y, ref) < 1e-4, tuple(x.shape)
+
+
+def test_weight_and_bias_read_like_nn_linear():
+    dense = nn.Linear(96, 80)
+    packed = PackedLinear(dense)
+    assert torch.equal(packed.weight, dense.weight)
+    assert packed.bias is dense.bias
+    assert (packed.in_features, packed.out_features) == (96, 80)
+    assert set(packed.state_dict()) == {"weight", "bias"}
+    assert torch.equal(packed.state_dict()["weight"], dense.weight)
+    x = torch.randn(2, 96)  # outside no_grad too (parameters require grad)
+    assert _rel_err(packed(x).detach(), F.linear(x, dense.weight, dense.bias).detach()) < 1e-4
+
+
+def test_state_dict_load_repacks():
+    a, b = nn.Linear(64, 72), nn.Linear(64, 72)
+    packed = PackedLinear(a)
+    packed.load_state_dict(b.state_dict())
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert _rel_err(packed(x), b(x)) < 1e-4
+
+
+def test_non_fp32_input_falls_back():
+    dense = nn.Linear(64, 32)
+    packed = PackedLinear(dense)
+    x = torch.randn(2, 64, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), F.linear(x, dense.weight.double(), dense.bias.double()))
+
+
+def test_rejects_non_fp32_weight():
+    with pytest.raises(ValueError):
+        PackedLinear(nn.Linear(64, 64).to(torch.bfloat16))
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.big = nn.Linear(64, 128)
+        self.small = nn.Linear(64, 8)  # below min_features
+        self.bf16 = nn.Linear(128, 64).to(torch.bfloat16)
+        self.head = nn.Linear(64, 100, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+
+def test_pack_linears_selects_modules():
+    model = _Tiny()
+    big_weight = weakref.ref(model.big.weight)
+    assert pack_linears(model, min_features=16, enabled=True) == 2
+    assert isinstance(model.big, PackedLinear) and isinstance(model.head, PackedLinear)
+    assert type(model.small) is nn.Linear and type(model.bf16) is nn.Linear
+    gc.collect()
+    assert big_weight() is None  # the dense copy of an untied weight is released
+    # the tied head keeps reading the embedding's own Parameter
+    assert model.head.weight is model.embed.weight
+    assert "head.weight" not in dict(model.named_parameters())  # no second copy registered
+    ids = torch.tensor([3, 7, 99])
+    with torch.no_grad():
+        torch.testing.assert_close(model.embed(ids), model.embed.weight[ids])
+        h = torch.randn(3, 64)
+        assert _rel_err(model.head(h), h @ model.embed.weight.t()) < 1e-4
+
+
+def test_pack_tied_false_leaves_head():
+    model = _Tiny()
+    assert pack_linears(model, min_features=16, pack_tied=False, enabled=True) == 1
+    assert type(model.head) is nn.Linear and model.head.weight is model.embed.weight
+
+
+def test_shared_module_packed_once():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    model.append(model[0])
+    assert pack_linears(model, min_features=1, enabled=True) == 1
+    assert model[0] is model[2] and isinstance(model[0], PackedLinear)
+
+
+def test_disabled_by_env_var(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert linear_backend() == "torch"
+    model = _Tiny()
+    assert pack_linears(model) == 0
+    assert type(model.big) is nn.Linear
+    monkeypatch.setenv(ENV_VAR, "onednn")
+    assert pack_linears(model, min_features=16) == 2
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError):
+        linear_backend()
+
+
+def test_other_dtypes_untouched():
+    model = _Tiny().to(torch.bfloat16)
+    assert pack_linears(model, min_features=1, enabled=True) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_tiny_model_outputs_unchanged(arch):
+    model = build_reference(arch)
+    tied = model.config.tie_word_embeddings
+    ids = torch.randint(0, model.config.vocab_size, (2, 11))
+    with torch.inference_mode():
+        before = model(ids).logits
+        n_linear = sum(type(m) is nn.Linear for m in model.modules())
+        assert pack_linears(model, min_features=1, enabled=True) == n_linear
+        assert not any(type(m) is nn.Linear for m in model.modules())
+        after = model(ids).logits
+    assert _rel_err(after, before) < 1e-4
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
