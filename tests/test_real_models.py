@@ -64,3 +64,17 @@ def test_gemma_270m_greedy_matches_transformers():
     llm = load_or_skip("gemma-3-270m", max_model_len=1024, kv_cache_memory="256MiB")
     prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
     assert greedy_ids(llm, prompts, 64) == transformers_greedy("gemma-3-270m", prompts, 64)
+
+
+def test_qwen_pair_speculation_equals_greedy_decoding():
+    """Qwen2.5-Coder-0.5B drafting for -1.5B: greedy speculation reproduces greedy decoding."""
+    spec = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
+    plain = load_or_skip("qwen2.5-coder-1.5b", max_model_len=1024, kv_cache_memory="512MiB")
+    prompts = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    expected = greedy_ids(plain, prompts, 48)
+    del plain
+    spec_llm = load_or_skip(
+        "qwen2.5-coder-1.5b", max_model_len=1024, kv_cache_memory="512MiB", speculative_config=spec
+    )
+    assert greedy_ids(spec_llm, prompts, 48) == expected
+    assert spec_llm.engine.spec_stats.num_accepted_tokens > 0
