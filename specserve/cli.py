@@ -77,6 +77,23 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specserve.bench.spec_decode import run_spec_benchmark
+
+    run_spec_benchmark(
+        target=args.model,
+        draft=args.draft_model,
+        prompt_files=[Path(p) for p in args.prompts.split(",")],
+        num_prompts=args.num_prompts,
+        new_tokens=args.new_tokens,
+        ks=[int(k) for k in args.ks.split(",")],
+        compare_transformers=not args.no_transformers,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--batch-sizes", default="1,8,32")
     dec.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     dec.set_defaults(func=_bench_decode)
+    spec = bench_sub.add_parser("spec", help="batch-1 speculative decoding: tokens/s, tau, ideal speedup")
+    spec.add_argument("--model", default=DEFAULT_MODEL)
+    spec.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    spec.add_argument("--prompts", required=True, help="comma-separated DeepSpec eval .jsonl files")
+    spec.add_argument("--num-prompts", type=int, default=10, help="per file")
+    spec.add_argument("--new-tokens", type=int, default=128)
+    spec.add_argument("--ks", default="3,5,8", help="num_speculative_tokens values")
+    spec.add_argument("--no-transformers", action="store_true")
+    spec.set_defaults(func=_bench_spec)
     return parser
 
 
