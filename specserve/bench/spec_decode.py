@@ -8,6 +8,7 @@ length and T_draft the measured drafting time per round. All figures come from o
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -128,6 +129,7 @@ def run_spec_benchmark(
     )
     results = [run_specserve("specserve none", base, prompt_ids, new_tokens, None)]
     del base
+    gc.collect()  # one 1.5B target in memory at a time
     for method in ("ngram", "draft_model"):
         for k in ks:
             spec = {"method": method, "num_speculative_tokens": k}
@@ -137,6 +139,7 @@ def run_spec_benchmark(
             results.append(run_specserve(f"specserve {method} k={k}", llm, prompt_ids, new_tokens, k))
             print(_row(results[0], results[-1], t_fwd), flush=True)
             del llm
+            gc.collect()
     if compare_transformers:
         from transformers import AutoModelForCausalLM
 
