@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import (
     AutoConfig,
     Qwen2Config,
@@ -18,6 +17,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from specserve.models.loader import iter_checkpoint_tensors
 from specserve.models.registry import build_model
 from tests.paged_harness import PagedHarness
 
@@ -51,13 +51,6 @@ CONFIGS = {
 }
 
 
-def iter_safetensors(path: Path):
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def make_hf(family: str, seed: int = 0, **overrides):
     """A tiny HF model with every weight random (norms around 1, biases non-zero) so that no term can hide."""
     config_cls, model_cls, extra = CONFIGS[family]
@@ -74,7 +67,7 @@ def make_hf(family: str, seed: int = 0, **overrides):
 def load_ours(hf, path: Path):
     hf.save_pretrained(path)
     model = build_model(AutoConfig.from_pretrained(path))
-    model.load_weights(iter_safetensors(path))
+    model.load_weights(iter_checkpoint_tensors(path))
     return model
 
 
@@ -168,7 +161,7 @@ def test_capture_layers_match_hf_hidden_states(fam):
 
 
 def test_load_errors_name_the_tensor(fam):
-    weights = dict(iter_safetensors(fam.path))
+    weights = dict(iter_checkpoint_tensors(fam.path))
     victim = "model.layers.1.self_attn.k_proj.weight"
     if fam.name == "qwen3_moe":
         victim = "model.layers.0.mlp.experts.5.up_proj.weight"
@@ -186,7 +179,7 @@ def test_tied_embeddings(tmp_path):
     hf = make_hf("qwen2", seed=4, tie_word_embeddings=True)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     model = load_ours(hf, tmp_path)
-    assert "lm_head.weight" not in dict(iter_safetensors(tmp_path))
+    assert "lm_head.weight" not in dict(iter_checkpoint_tensors(tmp_path))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     seqs = random_seqs([8, 3], seed=5)
     check = Checker(model, hf, seqs)
