@@ -23,6 +23,7 @@ from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
 from specserve.spec.drafters import build_drafter
 from specserve.spec.metrics import SpecStats
+from specserve.spec.planner import verify_length
 from specserve.spec.rejection import build_verify_batch, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -174,23 +175,31 @@ class LLMEngine:
             if piece.seq.metrics.first_scheduled_time is None:
                 piece.seq.metrics.first_scheduled_time = now
         start = time.perf_counter()
-        results = self._run(plan)
+        results, features = self._run(plan)
         if any(p.num_drafts for p in plan.pieces):
             self.spec_stats.verification_s += time.perf_counter() - start
         updates = []
+        row = 0
         for piece, (tokens, num_accepted, logprobs) in zip(plan.pieces, results):
             seq = piece.seq
             seq.num_computed_tokens += piece.num_tokens + num_accepted
             seq.draft = None
-            if piece.num_drafts:
-                seq.spec_stats.record(piece.num_drafts, num_accepted)
-                self.spec_stats.record(piece.num_drafts, num_accepted)
+            emitted = 0  # fewer than len(tokens) when a stop condition ends the request inside the round
             for i, token in enumerate(tokens):
                 self._append_token(seq, token, logprobs[i] if logprobs else None)
+                emitted += 1
                 if seq.is_finished:
                     break
+            if piece.num_drafts:
+                seq.spec_stats.record(piece.num_drafts, num_accepted, emitted)
+                self.spec_stats.record(piece.num_drafts, num_accepted, emitted)
             if tokens:
                 updates.append(self._output(seq))
+            if features is not None and not seq.is_finished:
+                # The drafter's next context: the rows now in the target's cache, never rejected drafts.
+                kept = piece.num_tokens + num_accepted
+                self.drafter.observe(seq, piece.start, features[row : row + kept])
+            row += piece.num_query_tokens
             if piece.num_drafts and not seq.is_finished:
                 # Roll back by length: blocks past the verified tokens go back to the free list.
                 self.block_manager.shrink(seq, seq.num_tokens)
@@ -202,16 +211,21 @@ class LLMEngine:
         if not decoding:
             return
         start = time.perf_counter()
-        proposals = self.drafter.propose(decoding, self.spec_config.num_speculative_tokens)
+        num_tokens = self.spec_config.num_speculative_tokens or self.drafter.default_num_tokens
+        proposals = self.drafter.propose(decoding, num_tokens)
         self.spec_stats.drafting_s += time.perf_counter() - start
         for seq, proposal in zip(decoding, proposals):
             # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
             room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             proposal = proposal.truncate(max(0, room))
+            proposal = proposal.truncate(verify_length(proposal, self.spec_config))
             seq.draft = proposal if proposal.token_ids else None
 
-    def _run(self, plan: SchedulerOutput) -> list[tuple[list[int], int, list[dict] | None]]:
-        """One target forward; per piece the new tokens, how many drafts were accepted, and logprobs."""
+    def _run(
+        self, plan: SchedulerOutput
+    ) -> tuple[list[tuple[list[int], int, list[dict] | None]], torch.Tensor | None]:
+        """One target forward; per piece the new tokens, how many drafts were accepted, and logprobs; plus
+        the drafter's target features of every row ([N, n_f * H]) when it reads any."""
         inputs, rows = [], []
         offset = 0
         for piece in plan.pieces:
@@ -219,7 +233,10 @@ class LLMEngine:
             offset += piece.num_query_tokens
             if piece.reaches_end:
                 rows.extend(range(offset - piece.num_drafts - 1, offset))
-        logits = self.runner.forward(inputs, rows).logits
+        layers = self.drafter.capture_layers if self.drafter is not None else ()
+        out = self.runner.forward(inputs, rows, capture_layers=layers)
+        logits = out.logits
+        features = torch.cat([out.captured[i] for i in layers], dim=-1) if layers else None
         results: list[tuple[list[int], int, list[dict] | None]] = [([], 0, None)] * len(plan.pieces)
         plain = [i for i, p in enumerate(plan.pieces) if p.reaches_end and not p.num_drafts]
         verify = [i for i, p in enumerate(plan.pieces) if p.num_drafts]
@@ -241,7 +258,7 @@ class LLMEngine:
             )
             for i, result in zip(verify, self._verify([plan.pieces[i] for i in verify], logits[rows_v])):
                 results[i] = result
-        return results
+        return results, features
 
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor

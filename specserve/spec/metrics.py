@@ -10,16 +10,20 @@ class SpecStats:
     num_drafts: int = 0  # verification rounds that checked at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens committed by verification rounds: accepted + bonus (if any)
     accepted_per_position: list[int] = field(default_factory=list)  # position i: rounds accepting draft i+1
     drafting_s: float = 0.0
     verification_s: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int | None = None) -> None:
+        """One verification round. `num_emitted` is accepted + 1 unless the round ended the request on an
+        accepted stop token (then there is no bonus token: DeepSpec counts a, not a + 1)."""
         if num_drafted == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1 if num_emitted is None else num_emitted
         if len(self.accepted_per_position) < num_drafted:
             self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
         for i in range(num_accepted):
@@ -27,8 +31,9 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """tau = 1 + accepted / drafts: tokens per verification round, the bonus token included."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        """tau: tokens committed per verification round, the bonus token included (DeepSpec's acceptance
+        length; vLLM's 1 + accepted / drafts except on rounds that end at a stop token)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     @property
     def acceptance_rate(self) -> float:

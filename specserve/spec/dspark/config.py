@@ -1,0 +1,228 @@
+"""DSpark / DFlash drafter configuration: DeepSpec's config.json, parsed, validated and created.
+
+A DeepSpec drafter config is the target's own config (its backbone dimensions) with the draft fields on top:
+`architectures` (`Qwen3DSparkModel` / `Gemma4DSparkModel`), `num_hidden_layers` (draft layers), `block_size`,
+`mask_token_id`, `target_layer_ids`, `markov_rank` (+ `markov_head_type`), `enable_confidence_head`
+(+ `confidence_head_with_markov`). DFlash checkpoints are the same classes with rank 0 and no confidence head.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import transformers
+
+from specserve.config import SpecserveError
+from specserve.spec.dspark.heads import MARKOV_HEAD_TYPES
+
+DSPARK_ARCHITECTURES = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4"}
+# Targets whose drafter takes each layout. Qwen2/2.5 targets get the Qwen3 drafter (q/k norms, no biases):
+# DeepSpec has no Qwen2 class, and the layout is the target-independent part of the drafter.
+FAMILY_OF_TARGET = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gemma4_text": "gemma4"}
+_HF_CONFIG = {"qwen3": transformers.Qwen3Config, "gemma4": transformers.Gemma4TextConfig}
+_REQUIRED = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head")
+# Target fields the drafter does not inherit: everything MoE, sliding windows and Gemma 4 extras that only
+# the target's own layers use.
+_NOT_INHERITED = (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+    "norm_topk_prob", "router_aux_loss_coef", "output_router_logits", "enable_moe_block", "top_k_experts",
+    "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+    "use_double_wide_mlp", "sliding_window", "use_sliding_window", "max_window_layers",
+)  # fmt: skip
+
+
+@dataclass
+class DSparkConfig:
+    family: str  # "qwen3" or "gemma4": which backbone layout
+    backbone: transformers.PretrainedConfig  # dimensions of the draft layers (a Qwen3 / Gemma 4 text config)
+    block_size: int  # slots per block, the anchor included: B slots give B drafts
+    mask_token_id: int
+    target_layer_ids: list[int]
+    markov_rank: int = 0
+    markov_head_type: str | None = None
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.backbone.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.vocab_size
+
+    @property
+    def architecture(self) -> str:
+        return {v: k for k, v in DSPARK_ARCHITECTURES.items()}[self.family]
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> DSparkConfig:
+        arch = (raw.get("architectures") or [None])[0]
+        if arch not in DSPARK_ARCHITECTURES:
+            raise SpecserveError(
+                f"{source}: architectures[0] is {arch!r}; a DSpark/DFlash drafter is one of "
+                f"{', '.join(DSPARK_ARCHITECTURES)}"
+            )
+        missing = [k for k in _REQUIRED if k not in raw]
+        if raw.get("markov_rank") and "markov_head_type" not in raw:
+            missing.append("markov_head_type")
+        if raw.get("enable_confidence_head") and "confidence_head_with_markov" not in raw:
+            missing.append("confidence_head_with_markov")
+        if missing:
+            raise SpecserveError(f"{source} is missing {', '.join(missing)}")
+        family = DSPARK_ARCHITECTURES[arch]
+        fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+        config = cls(
+            family=family,
+            backbone=_HF_CONFIG[family](**fields),
+            block_size=raw["block_size"],
+            mask_token_id=raw["mask_token_id"],
+            target_layer_ids=list(raw["target_layer_ids"]),
+            markov_rank=raw["markov_rank"],
+            markov_head_type=raw.get("markov_head_type") if raw["markov_rank"] else None,
+            confidence_head=bool(raw["enable_confidence_head"]),
+            confidence_with_markov=bool(raw.get("confidence_head_with_markov")) and raw["markov_rank"] > 0,
+        )
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config.json") -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise SpecserveError(f"{source}: {message}")
+
+        check(isinstance(self.block_size, int) and self.block_size >= 1, f"block_size {self.block_size!r}")
+        check(
+            isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
+            f"mask_token_id {self.mask_token_id!r} is not in [0, vocab_size={self.vocab_size})",
+        )
+        ids = self.target_layer_ids
+        check(
+            bool(ids) and all(isinstance(i, int) for i in ids) and all(a < b for a, b in zip(ids, ids[1:])),
+            f"target_layer_ids must be a non-empty, strictly increasing list of ints, got {ids!r}",
+        )
+        check(
+            isinstance(self.markov_rank, int) and self.markov_rank >= 0, f"markov_rank {self.markov_rank!r}"
+        )
+        if self.markov_rank:
+            check(
+                self.markov_head_type in MARKOV_HEAD_TYPES,
+                f"markov_head_type {self.markov_head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}",
+            )
+        check(self.num_layers >= 1, f"num_hidden_layers {self.num_layers!r}")
+
+    def check_target(self, target_config, source: str = "drafter") -> None:
+        """Errors naming the key when the drafter does not fit the target model."""
+        num_target_layers = target_config.num_hidden_layers
+        pairs = (
+            ("hidden_size", self.hidden_size, target_config.hidden_size),
+            ("vocab_size", self.vocab_size, target_config.vocab_size),
+        )
+        for key, mine, theirs in pairs:
+            if mine != theirs:
+                raise SpecserveError(f"{source}: {key} is {mine}, the target's is {theirs}")
+        declared = getattr(self.backbone, "num_target_layers", None)
+        if declared is not None and declared != num_target_layers:
+            raise SpecserveError(
+                f"{source}: num_target_layers is {declared}, the target has {num_target_layers} layers"
+            )
+        # The last layer's output is not what a DeepSpec target cache stores (HF reports it post-norm).
+        bad = [i for i in self.target_layer_ids if not -1 <= i <= num_target_layers - 2]
+        if bad:
+            raise SpecserveError(
+                f"{source}: target_layer_ids {bad} out of range: each must be -1 (the embedding) or a "
+                f"layer in [0, {num_target_layers - 2}] (the final layer {num_target_layers - 1} is excluded)"
+            )
+        expected = FAMILY_OF_TARGET.get(target_config.model_type)
+        if expected != self.family:
+            raise SpecserveError(
+                f"{source}: a {self.architecture} drafter cannot serve a {target_config.model_type!r} target"
+            )
+
+    def to_dict(self) -> dict:
+        """config.json contents, in DeepSpec's layout."""
+        out = self.backbone.to_dict()
+        out.update(
+            architectures=[self.architecture],
+            num_hidden_layers=self.num_layers,
+            layer_types=["full_attention"] * self.num_layers,
+            tie_word_embeddings=False,
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            target_layer_ids=list(self.target_layer_ids),
+            markov_rank=self.markov_rank,
+            enable_confidence_head=self.confidence_head,
+        )
+        if self.markov_rank:
+            out["markov_head_type"] = self.markov_head_type
+        else:
+            out.pop("markov_head_type", None)
+        if self.confidence_head:
+            out["confidence_head_with_markov"] = self.confidence_with_markov
+        else:
+            out.pop("confidence_head_with_markov", None)
+        return out
+
+
+def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """DFlash's rule, round(1 + i (L - 4) / (n - 1)), clipped to layers a drafter may read; deduplicated."""
+    count = max(1, min(count, num_target_layers - 1))
+    if count == 1:
+        return [max(0, num_target_layers - 2) // 2]
+    last = num_target_layers - 2
+    ids = (round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))
+    return sorted({min(max(i, 0), last) for i in ids})
+
+
+def new_draft_config(
+    target_config,
+    *,
+    num_layers: int = 1,
+    block_size: int = 7,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    markov_rank: int = 256,
+    markov_head_type: str = "vanilla",
+    confidence_head: bool = True,
+    confidence_with_markov: bool = True,
+) -> DSparkConfig:
+    """A fresh drafter config for a target (training starts here). DFlash: rank 0, no confidence head."""
+    family = FAMILY_OF_TARGET.get(target_config.model_type)
+    if family is None:
+        raise SpecserveError(
+            f"no DSpark drafter layout for target model_type {target_config.model_type!r}; supported: "
+            f"{', '.join(FAMILY_OF_TARGET)}"
+        )
+    fields = copy.deepcopy(target_config.to_dict())
+    for key in (*_NOT_INHERITED, "architectures", "model_type", "layer_types", "num_hidden_layers"):
+        fields.pop(key, None)
+    fields.update(
+        num_hidden_layers=num_layers,
+        num_target_layers=target_config.num_hidden_layers,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
+    if mask_token_id is None:
+        raise SpecserveError(
+            "mask_token_id is needed: an id whose embedding is never a real token (Qwen: the first unused "
+            "padded row, e.g. 151669 for Qwen3; Gemma 4: 4)"
+        )
+    config = DSparkConfig(
+        family=family,
+        backbone=_HF_CONFIG[family](**fields),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids or default_target_layer_ids(target_config.num_hidden_layers),
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type if markov_rank else None,
+        confidence_head=confidence_head,
+        confidence_with_markov=confidence_with_markov and confidence_head and markov_rank > 0,
+    )
+    config.validate("new drafter")
+    config.check_target(target_config, "new drafter")
+    return config
