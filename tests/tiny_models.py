@@ -74,3 +74,43 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
     model.generation_config.eos_token_id = None  # random models hit eos by chance; tests pass ignore_eos
     model.save_pretrained(directory)
     return directory
+
+
+def save_tiny_drafter(
+    target_dir: Path,
+    directory: Path,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    head_scale: float | None = None,
+    markov_bias: torch.Tensor | None = None,
+    **config,
+) -> Path:
+    """A random DSpark/DFlash drafter for a saved tiny target, in DeepSpec's checkpoint format.
+
+    `config` goes to `new_draft_config` (defaults here: 1 layer, B = 4, rank 8, vanilla head, confidence).
+    `head_scale` gives the drafter its own LM head, the target's times that factor (flatter drafts);
+    `markov_bias` [V, V] plants a vanilla Markov head whose bias after token p is markov_bias[p]
+    (rank V, W1 = identity), e.g. a bigram table of the target, so that drafts are often right.
+    """
+    from specserve.models.loader import load_model
+    from specserve.spec.dspark.checkpoint import build_draft_model, init_draft_weights, save_draft_checkpoint
+    from specserve.spec.dspark.config import new_draft_config
+
+    target, target_config, _ = load_model(str(target_dir))
+    vocab = target_config.vocab_size
+    defaults = dict(num_layers=1, block_size=4, markov_rank=8, mask_token_id=vocab - 1)
+    if markov_bias is not None:
+        defaults["markov_rank"] = vocab
+    draft_config = new_draft_config(target_config, **{**defaults, **config})
+    draft = build_draft_model(draft_config)
+    init_draft_weights(draft, target, seed=seed, std=std)
+    with torch.no_grad():
+        if head_scale is not None:
+            weight = draft.lm_head.weight * head_scale
+            draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            draft.lm_head.weight.copy_(weight)
+        if markov_bias is not None:
+            draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+            draft.markov_head.markov_w2.weight.copy_(markov_bias.T)
+    return save_draft_checkpoint(draft, directory)

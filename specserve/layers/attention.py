@@ -61,9 +61,7 @@ class PieceGroup:
             key_pos = torch.arange(self.kv_index.shape[1])
             q = self.query_pos[:, :, None]
             k = key_pos[None, None, :]
-            allowed = k < self.kv_len[:, None, None]
-            if self.causal:
-                allowed = allowed & (k <= q)
+            allowed = (k < self.kv_len[:, None, None]) & ((k <= q) | (not self.causal))
             if sliding_window is not None:
                 allowed &= k > q - sliding_window
             # Padded query slots attend key 0 so that softmax stays finite; their output is dropped.

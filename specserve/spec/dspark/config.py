@@ -29,6 +29,7 @@ _NOT_INHERITED = (
     "norm_topk_prob", "router_aux_loss_coef", "output_router_logits", "enable_moe_block", "top_k_experts",
     "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
     "use_double_wide_mlp", "sliding_window", "use_sliding_window", "max_window_layers",
+    "per_layer_config",  # transformers' per-layer view of the target's layer types; drafts are all global
 )  # fmt: skip
 
 
@@ -76,7 +77,9 @@ class DSparkConfig:
         if missing:
             raise SpecserveError(f"{source} is missing {', '.join(missing)}")
         family = DSPARK_ARCHITECTURES[arch]
-        fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+        fields = {
+            k: v for k, v in raw.items() if k not in ("architectures", "model_type", "per_layer_config")
+        }
         config = cls(
             family=family,
             backbone=_HF_CONFIG[family](**fields),
@@ -118,6 +121,11 @@ class DSparkConfig:
 
     def check_target(self, target_config, source: str = "drafter") -> None:
         """Errors naming the key when the drafter does not fit the target model."""
+        expected = FAMILY_OF_TARGET.get(target_config.model_type)
+        if expected != self.family:
+            raise SpecserveError(
+                f"{source}: a {self.architecture} drafter cannot serve a {target_config.model_type!r} target"
+            )
         num_target_layers = target_config.num_hidden_layers
         pairs = (
             ("hidden_size", self.hidden_size, target_config.hidden_size),
@@ -137,11 +145,6 @@ class DSparkConfig:
             raise SpecserveError(
                 f"{source}: target_layer_ids {bad} out of range: each must be -1 (the embedding) or a "
                 f"layer in [0, {num_target_layers - 2}] (the final layer {num_target_layers - 1} is excluded)"
-            )
-        expected = FAMILY_OF_TARGET.get(target_config.model_type)
-        if expected != self.family:
-            raise SpecserveError(
-                f"{source}: a {self.architecture} drafter cannot serve a {target_config.model_type!r} target"
             )
 
     def to_dict(self) -> dict:
@@ -166,7 +169,22 @@ class DSparkConfig:
             out["confidence_head_with_markov"] = self.confidence_with_markov
         else:
             out.pop("confidence_head_with_markov", None)
+        if self.family == "gemma4":  # DeepSpec's transformers reads the global geometry from these keys
+            out.pop("per_layer_config", None)
+            out.update(global_attention_fields(self.backbone))
         return out
+
+
+def global_attention_fields(gemma_config) -> dict:
+    """A Gemma 4 config's full-attention geometry as the flat keys of a pre-`per_layer_config` config."""
+    from specserve.models.gemma import plan_layers
+
+    plan = next(p for p in plan_layers(gemma_config, gemma4=True) if p.layer_type == "full_attention")
+    return {
+        "global_head_dim": plan.head_dim,
+        "attention_k_eq_v": plan.k_eq_v,
+        "num_global_key_value_heads": plan.num_kv_heads if plan.k_eq_v else None,
+    }
 
 
 def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
@@ -201,8 +219,11 @@ def new_draft_config(
     fields = copy.deepcopy(target_config.to_dict())
     for key in (*_NOT_INHERITED, "architectures", "model_type", "layer_types", "num_hidden_layers"):
         fields.pop(key, None)
+    if family == "gemma4":
+        fields.update(global_attention_fields(target_config))
     fields.update(
         num_hidden_layers=num_layers,
+        layer_types=["full_attention"] * num_layers,
         num_target_layers=target_config.num_hidden_layers,
         tie_word_embeddings=False,
         attention_bias=False,

@@ -22,6 +22,7 @@ from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_at
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
+from specserve.models.gemma import plan_layers
 from specserve.spec.dspark.config import DSparkConfig
 from specserve.spec.dspark.heads import ConfidenceHead, MarkovHead, build_markov_head
 
@@ -37,17 +38,17 @@ class AttentionGeometry:
     num_kv_heads: int
     k_eq_v: bool
     scale: float
+    rope_config: object  # the config view RoPE frequencies are read from
 
 
 def attention_geometry(config: DSparkConfig) -> AttentionGeometry:
     """Every draft layer uses full-attention geometry (Gemma 4: the global head dim and its K=V option)."""
     b = config.backbone
     if config.family == "gemma4":
-        k_eq_v = bool(b.attention_k_eq_v)
-        kv_heads = b.num_global_key_value_heads if k_eq_v and b.num_global_key_value_heads else None
-        return AttentionGeometry(b.global_head_dim, kv_heads or b.num_key_value_heads, k_eq_v, 1.0)
+        plan = plan_layers(b, gemma4=True)[0]  # all draft layers are full attention
+        return AttentionGeometry(plan.head_dim, plan.num_kv_heads, plan.k_eq_v, 1.0, plan.rope_config)
     head_dim = getattr(b, "head_dim", None) or b.hidden_size // b.num_attention_heads
-    return AttentionGeometry(head_dim, b.num_key_value_heads, False, head_dim**-0.5)
+    return AttentionGeometry(head_dim, b.num_key_value_heads, False, head_dim**-0.5, b)
 
 
 class DraftAttention(nn.Module):
@@ -116,7 +117,7 @@ class DSparkDraftModel(nn.Module):
         b, hidden, vocab = config.backbone, config.hidden_size, config.vocab_size
         gemma = config.family == "gemma4"
         geo = attention_geometry(config)
-        rope = inverse_frequencies(b, geo.head_dim, "full_attention" if gemma else None)
+        rope = inverse_frequencies(geo.rope_config, geo.head_dim, "full_attention" if gemma else None)
         self.rotary = RotaryEmbedding(*rope)
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(DraftLayer(config, i, self.rotary) for i in range(config.num_layers))
