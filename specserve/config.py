@@ -165,9 +165,9 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3")
 # Methods whose `model` is a drafter checkpoint (DeepSpec format) that reads the target's hidden states.
-CHECKPOINT_DRAFTERS = ("dspark", "dflash")
+CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
 VERIFY_POLICIES = ("fixed", "threshold")
 
 

@@ -1,6 +1,6 @@
-"""The DSpark / DFlash draft network against DSPARK.md §10: training form vs incremental form, the anchor
-off-by-one, Markov bias orientation, Gemma softcap order, draft-cache bookkeeping, and the checkpoint
-format (exact key set and shapes, round trip, errors that name the key)."""
+"""The DSpark / DFlash / EAGLE-3 draft networks against DSPARK.md §10 and §8.3: training form vs
+incremental form, the anchor off-by-one, Markov bias orientation, Gemma softcap order, draft-cache
+bookkeeping, and the checkpoint format (exact key set and shapes, round trip, errors that name the key)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,23 @@ from specserve import SamplingParams, SpecserveError
 from specserve.config import EngineConfig
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec.drafters import dspark as dspark_drafter
-from specserve.spec.drafters.dspark import DSparkDrafter
-from specserve.spec.dspark.checkpoint import (
+from specserve.spec.deepspec.checkpoint import (
     build_draft_model,
     init_draft_weights,
     load_draft_checkpoint,
     save_draft_checkpoint,
 )
-from specserve.spec.dspark.config import DSparkConfig, default_target_layer_ids, new_draft_config
-from specserve.spec.dspark.model import dense_block_batch
+from specserve.spec.deepspec.config import (
+    DSparkConfig,
+    Eagle3Config,
+    default_target_layer_ids,
+    new_draft_config,
+    new_eagle3_config,
+)
+from specserve.spec.deepspec.dspark import DenseDraftBatch, dense_block_batch
+from specserve.spec.drafters import dspark as dspark_drafter
+from specserve.spec.drafters.dspark import DSparkDrafter
+from specserve.spec.drafters.eagle3 import Eagle3Drafter
 from tests.tiny_models import VOCAB
 
 B = 4
@@ -49,9 +56,10 @@ def make_drafter_model(targets, arch="qwen3", seed=0, std=0.2, k_eq_v=False, **c
 
 
 def fake_engine(block_size=4, greedy_generator_seed=0):
-    """What DSparkDrafter reads from its engine."""
+    """What the hidden-state drafters read from their engine."""
     return SimpleNamespace(
         vocab_size=VOCAB,
+        eos_token_ids={2},
         generator=torch.Generator().manual_seed(greedy_generator_seed),
         config=EngineConfig(model="unused", block_size=block_size, max_num_seqs=4),
         block_manager=SimpleNamespace(num_blocks=64),
@@ -353,3 +361,70 @@ def test_loading_errors_name_the_key(targets, tmp_path):
     gemma_target, gemma_config = targets["gemma4"]
     with pytest.raises(SpecserveError, match="cannot serve a 'gemma4_text' target"):
         load_draft_checkpoint(str(directory), gemma_target, gemma_config)
+
+
+def make_eagle3_model(targets, arch="qwen3", seed=0, std=0.2):
+    target, target_config = targets[arch]
+    model = build_draft_model(new_eagle3_config(target_config, ttt_length=3))
+    init_draft_weights(model, target, seed=seed, std=std)
+    return model
+
+
+def causal_batch(positions: torch.Tensor) -> DenseDraftBatch:
+    mask = positions[None, :] <= positions[:, None]
+    return DenseDraftBatch(block_pos=positions, kv_pos=positions, mask=mask)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+def test_eagle3_incremental_rounds_equal_the_full_sequence(arch, targets):
+    """Row t = (features t, token t+1) at position t; causal. Drafting rounds (cache, feed-back, roll back)
+    give the q rows a single causal pass over the same rows computes."""
+    model = make_eagle3_model(targets, arch)
+    tokens, features = case_inputs(model, lengths=(14,))
+    tokens, features = tokens[0], features[0]
+    drafter = Eagle3Drafter(model, fake_engine(), max_num_tokens=2)
+    params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
+    fed = 0
+    for a in (5, 6, 11):
+        seq = Sequence("r", tokens[:1], params, 64, output_token_ids=tokens[1 : a + 1])
+        drafter.observe(seq, fed, features[fed:a])
+        fed = a
+        (proposal,) = drafter.propose([seq], 2)
+        assert drafter.states["r"].num_cached == a  # drafted rows rolled back
+        with torch.no_grad():
+            pos = torch.arange(a)
+            hidden_in = model.project_context(features[:a])
+            out = model(torch.tensor(tokens[1 : a + 1]), hidden_in, causal_batch(pos))
+            q1 = model.compute_logits(model.final_hidden(out[-1:])).softmax(-1)
+            d1 = proposal.token_ids[0]
+            rows = torch.cat([hidden_in, out[-1:]])
+            out2 = model(torch.tensor(tokens[1 : a + 1] + [d1]), rows, causal_batch(torch.arange(a + 1)))
+            q2 = model.compute_logits(model.final_hidden(out2[-1:])).softmax(-1)
+        torch.testing.assert_close(proposal.probs, torch.cat([q1, q2]), atol=1e-5, rtol=1e-4)
+
+
+def test_eagle3_checkpoint_keys(targets, tmp_path):
+    """DSPARK.md §8.3: one layer whose q/k/v read 2H, hidden_norm inside the layer, fc [H, n_f H]."""
+    target, target_config = targets["qwen3"]
+    model = make_eagle3_model(targets)
+    directory = save_draft_checkpoint(model, tmp_path / "e")
+    tensors = load_file(directory / "model.safetensors")
+    H, V, d = target_config.hidden_size, target_config.vocab_size, target_config.head_dim
+    n_h, n_kv, inter = target_config.num_attention_heads, target_config.num_key_value_heads, 128
+    n_f = len(model.config.target_layer_ids)
+    p = "layers.0."
+    expected = {
+        "embed_tokens.weight": (V, H), "fc.weight": (H, n_f * H),
+        "norm.weight": (H,), "lm_head.weight": (V, H),
+        p + "self_attn.q_proj.weight": (n_h * d, 2 * H), p + "self_attn.k_proj.weight": (n_kv * d, 2 * H),
+        p + "self_attn.v_proj.weight": (n_kv * d, 2 * H), p + "self_attn.o_proj.weight": (H, n_h * d),
+        p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+        p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+        p + "mlp.down_proj.weight": (H, inter), p + "hidden_norm.weight": (H,),
+        p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+    }  # fmt: skip
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3Eagle3Model"] and config["ttt_length"] == 3
+    reloaded = load_draft_checkpoint(str(directory), target, target_config)
+    assert isinstance(reloaded.config, Eagle3Config)

@@ -59,13 +59,16 @@ def bigram_log_probs(reference) -> torch.Tensor:
 def drafters(models, tmp_path_factory):
     """name -> speculative config. DSpark drafters: random backbones reading the target's layer 0 and a
     flattened LM head; vanilla and gated heads get a planted bigram table (blurred), so that they are poor
-    but not useless; with no head (DFlash) or a random RNN head, drafts are near-uniform."""
+    but not useless; with no head (DFlash), a random RNN head or EAGLE-3's, drafts are near-uniform."""
     reference, target_dir, draft_dir, _ = models
     bigram = bigram_log_probs(reference) * 0.7
 
     def dspark(name, **config):
         directory = tmp_path_factory.mktemp(name)
         # A planted bigram is a vanilla head's bias (and gated's, scaled by its gate); the RNN's is not.
+        if config.get("eagle3"):
+            save_tiny_drafter(target_dir, directory, head_scale=0.02, **config)
+            return str(directory)
         planted = {"markov_bias": bigram} if config.get("markov_head_type", "vanilla") != "rnn" else {}
         if config.get("markov_rank") == 0:
             planted = {}
@@ -88,6 +91,7 @@ def drafters(models, tmp_path_factory):
             "method": "dflash",
             "model": dspark("dflash", markov_rank=0, confidence_head=False),
         },
+        "eagle3": {"method": "eagle3", "model": dspark("eagle3", eagle3=True), "num_speculative_tokens": 3},
     }
 
 
@@ -171,6 +175,7 @@ CASES = {
         ("dspark_rnn", "temperature_1"),
         ("dspark_gated_threshold", "temperature_0.7_top_p_top_k"),
         ("dflash", "temperature_1"),
+        ("eagle3", "temperature_0.7_top_p_top_k"),
     ],
 )
 def test_speculative_sampling_matches_the_target_distribution(drafter, case, models, drafters):

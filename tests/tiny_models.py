@@ -84,6 +84,7 @@ def save_tiny_drafter(
     std: float = 0.02,
     head_scale: float | None = None,
     markov_bias: torch.Tensor | None = None,
+    eagle3: bool = False,
     **config,
 ) -> Path:
     """A random DSpark/DFlash drafter for a saved tiny target, in DeepSpec's checkpoint format.
@@ -92,17 +93,25 @@ def save_tiny_drafter(
     `head_scale` gives the drafter its own LM head, the target's times that factor (flatter drafts);
     `markov_bias` [V, V] plants a vanilla Markov head whose bias after token p is markov_bias[p]
     (rank V, W1 = identity), e.g. a bigram table of the target, so that drafts are often right.
+    `eagle3` makes an EAGLE-3 drafter instead (`config` then goes to `new_eagle3_config`).
     """
     from specserve.models.loader import load_model
-    from specserve.spec.dspark.checkpoint import build_draft_model, init_draft_weights, save_draft_checkpoint
-    from specserve.spec.dspark.config import new_draft_config
+    from specserve.spec.deepspec.checkpoint import (
+        build_draft_model,
+        init_draft_weights,
+        save_draft_checkpoint,
+    )
+    from specserve.spec.deepspec.config import new_draft_config, new_eagle3_config
 
     target, target_config, _ = load_model(str(target_dir))
     vocab = target_config.vocab_size
     defaults = dict(num_layers=1, block_size=4, markov_rank=8, mask_token_id=vocab - 1)
     if markov_bias is not None:
         defaults["markov_rank"] = vocab
-    draft_config = new_draft_config(target_config, **{**defaults, **config})
+    if eagle3:
+        draft_config = new_eagle3_config(target_config, **config)
+    else:
+        draft_config = new_draft_config(target_config, **{**defaults, **config})
     draft = build_draft_model(draft_config)
     init_draft_weights(draft, target, seed=seed, std=std)
     with torch.no_grad():

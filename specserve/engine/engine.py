@@ -191,8 +191,10 @@ class LLMEngine:
                 if seq.is_finished:
                     break
             if piece.num_drafts:
-                seq.spec_stats.record(piece.num_drafts, num_accepted, emitted)
-                self.spec_stats.record(piece.num_drafts, num_accepted, emitted)
+                # A stop inside the accepted drafts truncates the round there (DeepSpec's accounting).
+                accepted = min(num_accepted, emitted)
+                seq.spec_stats.record(piece.num_drafts, accepted, emitted)
+                self.spec_stats.record(piece.num_drafts, accepted, emitted)
             if tokens:
                 updates.append(self._output(seq))
             if features is not None and not seq.is_finished:

@@ -15,66 +15,26 @@ drafts only, which become the next round's pending context.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.engine.kv_cache import BlockManager
 from specserve.engine.sequence import Sequence
-from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
-from specserve.layers.linear import pack_linears
-from specserve.spec.drafters.base import Drafter, DraftProposal, sample_drafts
-from specserve.spec.dspark.checkpoint import load_draft_checkpoint
-from specserve.spec.dspark.model import DSparkDraftModel, PagedDraftBatch, attention_geometry
-
-logger = logging.getLogger(__name__)
+from specserve.spec.deepspec.config import DSparkConfig
+from specserve.spec.deepspec.dspark import DSparkDraftModel
+from specserve.spec.drafters.base import DraftProposal, sample_drafts
+from specserve.spec.drafters.hidden_states import HiddenStateDrafter, concat_rows
 
 
-@dataclass
-class ContextState:
-    """One request's draft context: rows [0, num_cached) are in the draft cache, then `pending` rows."""
-
-    block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)
-    num_pending: int = 0
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_cached + self.num_pending
-
-
-class DSparkDrafter(Drafter):
+class DSparkDrafter(HiddenStateDrafter):
     def __init__(self, model: DSparkDraftModel, target):
-        config = model.config
-        self.model = model
-        self.block_size = config.block_size
-        self.capture_layers = tuple(config.target_layer_ids)
-        self.default_num_tokens = config.block_size
-        self.mask_token_id = config.mask_token_id
-        self.vocab_size = target.vocab_size
-        self.generator = target.generator  # unseeded requests draw from the engine's generator
-        cache_block = target.config.block_size
-        # Room for every context row the target can hold, plus one block's slots per running request.
-        per_request = -(-self.block_size // cache_block) + 1
-        num_blocks = target.block_manager.num_blocks + target.config.max_num_seqs * per_request
-        self.blocks = BlockManager(num_blocks, cache_block)
-        geo = attention_geometry(config)
-        shape = (num_blocks, cache_block, geo.num_kv_heads, geo.head_dim)
-        dtype = target.config.torch_dtype
-        self.caches = [
-            KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(config.num_layers)
-        ]
-        self.states: dict[str, ContextState] = {}
+        super().__init__(model, target, extra_tokens_per_request=model.config.block_size)
+        self.block_size = model.config.block_size
+        self.default_num_tokens = model.config.block_size
+        self.mask_token_id = model.config.mask_token_id
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, target) -> DSparkDrafter:
-        model = load_draft_checkpoint(
-            spec.model, target.model, target.model_config, dtype=target.config.torch_dtype
-        )
+        model = cls.load(spec, target, DSparkConfig)
         config = model.config
         if spec.method == "dflash" and (config.markov_rank or config.confidence_head):
             raise SpecserveError(
@@ -88,39 +48,11 @@ class DSparkDrafter(Drafter):
                 f"num_speculative_tokens={k} exceeds the drafter's block_size={config.block_size} "
                 "(a block of B slots drafts at most B tokens)"
             )
-        pack_linears(model)
         return cls(model, target)
 
-    # ---- context bookkeeping ------------------------------------------------------------------------
-    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
-        state = self.states.get(seq.request_id)
-        if state is None or start != state.num_rows:
-            # Rows arrive in position order from 0; anything else means a restart (after preemption the
-            # sequence is recomputed from position 0) or a state we cannot trust: begin again.
-            self.release(seq)
-            if start != 0:
-                logger.warning(
-                    "request %s: target features from position %d, expected 0", seq.request_id, start
-                )
-                return
-            state = self.states[seq.request_id] = ContextState()
-        state.pending.append(features)
-        state.num_pending += features.shape[0]
-
-    def release(self, seq: Sequence) -> None:
-        state = self.states.pop(seq.request_id, None)
-        if state is not None:
-            self.blocks.shrink(state, 0)
-
-    # ---- drafting -----------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
         num_tokens = min(num_tokens, self.block_size)
-        # A request can draft once the target has handed over every position before its anchor.
-        ready = [
-            i
-            for i, s in enumerate(seqs)
-            if (state := self.states.get(s.request_id)) is not None and state.num_rows == s.num_tokens - 1
-        ]
+        ready = self.ready(seqs)
         proposals = [DraftProposal([]) for _ in seqs]
         if not ready or num_tokens < 1:
             return proposals
@@ -136,49 +68,30 @@ class DSparkDrafter(Drafter):
         """One draft forward over all requests' new context rows and blocks -> hidden states [R, B, H]."""
         B = self.block_size
         states = [self.states[s.request_id] for s in seqs]
-        anchors_pos = [s.num_tokens - 1 for s in seqs]
-        for state, a in zip(states, anchors_pos):
+        anchors = [s.num_tokens - 1 for s in seqs]
+        for state, a in zip(states, anchors):
             self.blocks.grow(state, a + B)
-        ctx_pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors_pos)])
+        ctx_pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
         ctx_owner = torch.repeat_interleave(
             torch.arange(len(seqs)), torch.tensor([st.num_pending for st in states])
         )
-        block_pos = (torch.tensor(anchors_pos)[:, None] + torch.arange(B)).reshape(-1)
+        block_pos = (torch.tensor(anchors)[:, None] + torch.arange(B)).reshape(-1)
         block_owner = torch.arange(len(seqs)).repeat_interleave(B)
-        tables = padded_block_tables([st.block_table for st in states])
-        cache_block = self.blocks.block_size
-        batch = PagedDraftBatch(
-            block_pos=block_pos,
+        batch = self.paged_batch(
+            states,
+            kv_owner=torch.cat([ctx_owner, block_owner]),
             kv_pos=torch.cat([ctx_pos, block_pos]),
-            kv_slots=slot_mapping(
-                tables, torch.cat([ctx_owner, block_owner]), torch.cat([ctx_pos, block_pos]), cache_block
-            ),
-            meta=AttentionMetadata.build(
-                query_start=list(range(0, len(seqs) * B + 1, B)),
-                context_lens=[a + B for a in anchors_pos],
-                block_tables=[st.block_table for st in states],
-                positions=block_pos,
-                block_size=cache_block,
-                causal=False,
-            ),
-            caches=self.caches,
+            query_lens=[B] * len(seqs),
+            query_pos=block_pos,
+            causal=False,
         )
-        features = [f for st in states for f in st.pending]
-        hidden = self.model.config.hidden_size
-        context = (
-            self.model.project_context(torch.cat(features))
-            if features
-            else self.caches[0].k.new_zeros(0, hidden)
-        )
+        features = [f for st in states for f in st.take_pending()]
+        width = self.model.fc.in_features
+        context = self.model.project_context(concat_rows(features, width, self.caches[0].k.dtype))
         block_ids = torch.full((len(seqs), B), self.mask_token_id)
         block_ids[:, 0] = torch.tensor([s.all_token_ids[-1] for s in seqs])
-        h = self.model.backbone(
-            self.model.embed(block_ids.reshape(-1)), context.to(self.caches[0].k.dtype), batch
-        )
-        for state, a in zip(states, anchors_pos):
-            # Keep the context rows (< a); the block rows are rolled back by length.
-            state.num_cached, state.pending, state.num_pending = a, [], 0
-            self.blocks.shrink(state, a)
+        h = self.model.backbone(self.model.embed(block_ids.reshape(-1)), context, batch)
+        self.roll_back(states, anchors)  # keep the context rows (< a); the block rows go
         return h.view(len(seqs), B, -1)
 
     @torch.inference_mode()

@@ -23,11 +23,11 @@ from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.gemma import plan_layers
-from specserve.spec.dspark.config import DSparkConfig
-from specserve.spec.dspark.heads import ConfidenceHead, MarkovHead, build_markov_head
+from specserve.spec.deepspec.config import DrafterConfig, DSparkConfig
+from specserve.spec.deepspec.heads import ConfidenceHead, MarkovHead, build_markov_head
 
 
-def _norm(config: DSparkConfig, dim: int) -> RMSNorm:
+def _norm(config: DrafterConfig, dim: int) -> RMSNorm:
     # Qwen3: w * cast(normed); Gemma 4: (normed * w) in fp32, plain w (not 1 + w).
     return RMSNorm(dim, config.backbone.rms_norm_eps, scale_in_fp32=config.family == "gemma4")
 
@@ -41,7 +41,7 @@ class AttentionGeometry:
     rope_config: object  # the config view RoPE frequencies are read from
 
 
-def attention_geometry(config: DSparkConfig) -> AttentionGeometry:
+def attention_geometry(config: DrafterConfig) -> AttentionGeometry:
     """Every draft layer uses full-attention geometry (Gemma 4: the global head dim and its K=V option)."""
     b = config.backbone
     if config.family == "gemma4":
@@ -51,17 +51,30 @@ def attention_geometry(config: DSparkConfig) -> AttentionGeometry:
     return AttentionGeometry(head_dim, b.num_key_value_heads, False, head_dim**-0.5, b)
 
 
+def draft_rotary(config: DrafterConfig) -> RotaryEmbedding:
+    """RoPE of the target's full-attention layers (Gemma 4: proportional, over the global head dim)."""
+    geo = attention_geometry(config)
+    layer_type = "full_attention" if config.family == "gemma4" else None
+    return RotaryEmbedding(*inverse_frequencies(geo.rope_config, geo.head_dim, layer_type))
+
+
 class DraftAttention(nn.Module):
-    def __init__(self, config: DSparkConfig, layer_idx: int, rotary: RotaryEmbedding):
+    """Full attention of a draft layer. `in_features` is the hidden size for DSpark, 2H for EAGLE-3 (whose
+    attention reads [embedding; hidden] rows)."""
+
+    def __init__(
+        self, config: DrafterConfig, layer_idx: int, rotary: RotaryEmbedding, in_features: int | None = None
+    ):
         super().__init__()
         b, geo = config.backbone, attention_geometry(config)
         self.layer_idx = layer_idx
         self.geometry = geo
         bias = bool(getattr(b, "attention_bias", False))
         q_size, kv_size = b.num_attention_heads * geo.head_dim, geo.num_kv_heads * geo.head_dim
-        self.q_proj = nn.Linear(b.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(b.hidden_size, kv_size, bias=bias)
-        self.v_proj = None if geo.k_eq_v else nn.Linear(b.hidden_size, kv_size, bias=bias)
+        in_features = in_features or b.hidden_size
+        self.q_proj = nn.Linear(in_features, q_size, bias=bias)
+        self.k_proj = nn.Linear(in_features, kv_size, bias=bias)
+        self.v_proj = None if geo.k_eq_v else nn.Linear(in_features, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, b.hidden_size, bias=bias)
         self.q_norm = _norm(config, geo.head_dim)
         self.k_norm = _norm(config, geo.head_dim)
@@ -69,11 +82,11 @@ class DraftAttention(nn.Module):
         self.v_norm = RMSNorm(geo.head_dim, b.rms_norm_eps, with_scale=False) if gemma else None
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
-        """x: normed block rows [m, H]; context: projected context rows [n, H] (K/V only)."""
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, batch: DraftBatch) -> torch.Tensor:
+        """x: normed query rows [m, in]; context: projected context rows [n, in] that give K/V only."""
         d = self.geometry.head_dim
         q = self.q_norm(self.q_proj(x).view(x.shape[0], -1, d))
-        kv_rows = torch.cat([context, x])  # context first, then the block (DeepSpec's order)
+        kv_rows = x if context is None else torch.cat([context, x])  # context first (DeepSpec's order)
         k = self.k_proj(kv_rows).view(kv_rows.shape[0], -1, d)
         v = k if self.v_proj is None else self.v_proj(kv_rows).view(kv_rows.shape[0], -1, d)
         k = self.k_norm(k)
@@ -86,11 +99,13 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, config: DSparkConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(
+        self, config: DrafterConfig, layer_idx: int, rotary: RotaryEmbedding, attn_in: int | None = None
+    ):
         super().__init__()
         b, hidden = config.backbone, config.hidden_size
         self.gemma = config.family == "gemma4"
-        self.self_attn = DraftAttention(config, layer_idx, rotary)
+        self.self_attn = DraftAttention(config, layer_idx, rotary, attn_in)
         act = b.hidden_activation if self.gemma else b.hidden_act
         self.mlp = GatedMLP(hidden, b.intermediate_size, act)
         self.input_layernorm = _norm(config, hidden)
@@ -101,7 +116,9 @@ class DraftLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), context, batch)
+        return self.residual_and_mlp(h, self.self_attn(self.input_layernorm(h), context, batch))
+
+    def residual_and_mlp(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         if not self.gemma:
             h = h + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -110,15 +127,38 @@ class DraftLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class DSparkDraftModel(nn.Module):
+class TokenIO:
+    """Token embedding and output logits of a drafter (frozen copies of the target's, Gemma's scalings)."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module
+
+    def set_output_scaling(self, config: DrafterConfig) -> None:
+        gemma = config.family == "gemma4"
+        self.embed_scale = config.hidden_size**0.5 if gemma else None
+        self.softcap = getattr(config.backbone, "final_logit_softcapping", None) if gemma else None
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        x = F.embedding(ids, weight)
+        if self.embed_scale is not None:  # Gemma: sqrt(H) rounded to the weight dtype, as HF does
+            x = x * torch.tensor(self.embed_scale, dtype=weight.dtype).item()
+        return x
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) of final-normed hidden states; Gemma: softcapped (before any Markov bias)."""
+        logits = self.lm_head(h).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class DSparkDraftModel(TokenIO, nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.config = config
-        b, hidden, vocab = config.backbone, config.hidden_size, config.vocab_size
-        gemma = config.family == "gemma4"
-        geo = attention_geometry(config)
-        rope = inverse_frequencies(geo.rope_config, geo.head_dim, "full_attention" if gemma else None)
-        self.rotary = RotaryEmbedding(*rope)
+        hidden, vocab = config.hidden_size, config.vocab_size
+        self.rotary = draft_rotary(config)
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(DraftLayer(config, i, self.rotary) for i in range(config.num_layers))
         self.norm = _norm(config, hidden)
@@ -134,15 +174,7 @@ class DSparkDraftModel(nn.Module):
             if config.confidence_head
             else None
         )
-        self.embed_scale = hidden**0.5 if gemma else None
-        self.softcap = getattr(b, "final_logit_softcapping", None) if gemma else None
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        x = F.embedding(ids, weight)
-        if self.embed_scale is not None:  # Gemma: sqrt(H) rounded to the weight dtype, as HF does
-            x = x * torch.tensor(self.embed_scale, dtype=weight.dtype).item()
-        return x
+        self.set_output_scaling(config)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [n, n_f * H] (layer outputs concatenated in target_layer_ids order) -> [n, H]."""
@@ -154,13 +186,6 @@ class DSparkDraftModel(nn.Module):
         for layer in self.layers:
             h = layer(h, context, batch)
         return self.norm(h)
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Base logits U (fp32); Gemma: softcapped here, before any Markov bias is added."""
-        logits = self.lm_head(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
 
     def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """Per-slot confidence logits from hidden states and the previous slot's token (None without head)."""

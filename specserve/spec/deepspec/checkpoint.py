@@ -1,6 +1,6 @@
-"""DeepSpec drafter checkpoints: a directory with config.json and model.safetensors, read and written.
+"""DeepSpec drafter checkpoints (DSpark, DFlash, EAGLE-3): config.json + model.safetensors, read and written.
 
-Keys and shapes are DeepSpec's (DSPARK.md §3.4-3.5), so released checkpoints load 1:1 and ours load in
+Keys and shapes are DeepSpec's (DSPARK.md §3.4-3.5, §8.3), so released checkpoints load 1:1 and ours load in
 DeepSpec. The frozen `embed_tokens` and `lm_head` are stored (DeepSpec does) but, when they equal the
 target's tensors, the drafter uses the target's modules instead of a second copy.
 """
@@ -19,28 +19,32 @@ from torch import nn
 from specserve.config import SpecserveError
 from specserve.models.base import CausalLM
 from specserve.models.loader import iter_checkpoint_tensors, resolve_model
-from specserve.spec.dspark.config import DSparkConfig
-from specserve.spec.dspark.model import DSparkDraftModel
+from specserve.spec.deepspec.config import DrafterConfig, DSparkConfig, parse_drafter_config
+from specserve.spec.deepspec.dspark import DSparkDraftModel
+from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+
+DraftModel = DSparkDraftModel | Eagle3DraftModel
 
 logger = logging.getLogger(__name__)
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
-def build_draft_model(config: DSparkConfig, dtype: torch.dtype = torch.float32) -> DSparkDraftModel:
+def build_draft_model(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DraftModel:
     """Uninitialised storage for every tensor (filled by a checkpoint or `init_draft_weights`)."""
+    model_class = DSparkDraftModel if isinstance(config, DSparkConfig) else Eagle3DraftModel
     with torch.device("meta"):
-        model = DSparkDraftModel(config)
+        model = model_class(config)
     return model.to_empty(device="cpu").to(dtype).eval()
 
 
-def share_target_modules(model: DSparkDraftModel, target: CausalLM) -> None:
+def share_target_modules(model: DraftModel, target: CausalLM) -> None:
     """Use the target's embedding and output layer (frozen in DSpark) instead of the drafter's copies."""
     model.embed_tokens = target.input_embedding()
     model.lm_head = target.output_layer()
 
 
 @torch.no_grad()
-def init_draft_weights(model: DSparkDraftModel, target: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+def init_draft_weights(model: DraftModel, target: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """A fresh drafter: target embedding and LM head, N(0, std) linears and embeddings, unit norms."""
     share_target_modules(model, target)
     generator = torch.Generator().manual_seed(seed)
@@ -61,15 +65,15 @@ def init_draft_weights(model: DSparkDraftModel, target: CausalLM, seed: int = 0,
 
 def load_draft_checkpoint(
     model_id: str, target: CausalLM, target_config, dtype: torch.dtype = torch.float32, revision=None
-) -> DSparkDraftModel:
-    """A DeepSpec DSpark/DFlash checkpoint (local directory or hub id), checked against the target."""
+) -> DraftModel:
+    """A DeepSpec drafter checkpoint (local directory or hub id), checked against the target."""
     directory = resolve_model(model_id, revision=revision)
     config_path = directory / "config.json"
     try:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise SpecserveError(f"{config_path} is not valid JSON: {exc}") from None
-    config = DSparkConfig.from_dict(raw, source=str(config_path))
+    config = parse_drafter_config(raw, source=str(config_path))
     config.check_target(target_config, source=str(config_path))
     model = build_draft_model(config, dtype)
     load_draft_weights(model, iter_checkpoint_tensors(directory), target, source=str(directory))
@@ -78,7 +82,7 @@ def load_draft_checkpoint(
 
 @torch.no_grad()
 def load_draft_weights(
-    model: DSparkDraftModel, tensors: Iterable[tuple[str, torch.Tensor]], target: CausalLM, source: str
+    model: DraftModel, tensors: Iterable[tuple[str, torch.Tensor]], target: CausalLM, source: str
 ) -> None:
     """Copy checkpoint tensors in; every key must exist with its exact shape, and none may be missing."""
     slots = model.state_dict()  # parameters and persistent buffers, sharing storage with the model
@@ -115,7 +119,7 @@ def load_draft_weights(
         model.lm_head = target.output_layer()
 
 
-def save_draft_checkpoint(model: DSparkDraftModel, directory: str | Path) -> Path:
+def save_draft_checkpoint(model: DraftModel, directory: str | Path) -> Path:
     """config.json + model.safetensors in DeepSpec's layout (shared target tensors written as copies)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
