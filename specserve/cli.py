@@ -94,6 +94,25 @@ def _bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_drafter(args: argparse.Namespace) -> int:
+    from specserve.bench.drafter_cost import HEADER, measure
+
+    print(
+        f"DSpark drafter cost on {args.model}: B={args.block_size}, context {args.context}, "
+        f"median of {args.repeats}"
+    )
+    print(HEADER)
+    measure(
+        args.model,
+        [int(x) for x in args.layers.split(",")],
+        [int(x) for x in args.batch_sizes.split(",")],
+        args.block_size,
+        args.context,
+        args.repeats,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--ks", default="3,5,8", help="num_speculative_tokens values")
     spec.add_argument("--no-transformers", action="store_true")
     spec.set_defaults(func=_bench_spec)
+    cost = bench_sub.add_parser("drafter", help="DSpark drafting round cost against target verification")
+    cost.add_argument("--model", default=DEFAULT_MODEL)
+    cost.add_argument("--layers", default="1,2", help="draft depths (random-initialised drafters)")
+    cost.add_argument("--batch-sizes", default="1,16", help="requests drafted and verified together")
+    cost.add_argument("--block-size", type=int, default=7)
+    cost.add_argument("--context", type=int, default=512)
+    cost.add_argument("--repeats", type=int, default=7)
+    cost.set_defaults(func=_bench_drafter)
     return parser
 
 

@@ -428,3 +428,11 @@ def test_eagle3_checkpoint_keys(targets, tmp_path):
     assert config["architectures"] == ["Qwen3Eagle3Model"] and config["ttt_length"] == 3
     reloaded = load_draft_checkpoint(str(directory), target, target_config)
     assert isinstance(reloaded.config, Eagle3Config)
+
+
+def test_drafter_cost_benchmark_runs(tiny_model_dir):
+    from specserve.bench.drafter_cost import measure
+
+    rows = measure(str(tiny_model_dir("qwen3")), [1], [1, 2], block_size=3, context=8, repeats=1)
+    assert [(r.layers, r.requests) for r in rows] == [(1, 1), (1, 2)]
+    assert all(r.draft_ms > 0 and r.verify_ms > 0 and r.decode_ms > 0 for r in rows)

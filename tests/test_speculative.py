@@ -124,15 +124,16 @@ def test_dspark_greedy_equals_greedy_decoding(name, target_dir, reference, draft
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_hidden_state_drafters_on_a_gemma4_target(tiny_model_dir, drafter_dirs):
-    target = str(tiny_model_dir("gemma4"))
+@pytest.mark.parametrize("arch", ["gemma4", "qwen2", "qwen3_moe"])
+def test_hidden_state_drafters_on_other_targets(arch, tiny_model_dir, drafter_dirs):
+    target = str(tiny_model_dir(arch))
     prompts = repetitive_prompts(4, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(target, max_model_len=128).generate(prompts, params)]
     for kind, method in (("vanilla", "dspark"), ("dflash", "dflash"), ("eagle3", "eagle3")):
-        spec = {"method": method, "model": drafter_dirs("gemma4", kind)}
+        spec = {"method": method, "model": drafter_dirs(arch, kind)}
         llm = LLM(target, max_model_len=128, speculative_config=spec)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, kind
 
 
 def record_observe(llm) -> list:
