@@ -168,7 +168,7 @@ class EngineConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3")
 # Methods whose `model` is a drafter checkpoint (DeepSpec format) that reads the target's hidden states.
 CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
-VERIFY_POLICIES = ("fixed", "threshold")
+VERIFY_POLICIES = ("fixed", "threshold", "dspark", "dspark_async")
 
 
 @dataclass
@@ -176,8 +176,10 @@ class SpeculativeConfig:
     """Speculative decoding settings; the JSON keys are vLLM's (`--speculative-config '{...}'`).
 
     `num_speculative_tokens` defaults to 3 for ngram / draft_model and to the block size for DSpark-type
-    drafters. `verify_policy` decides how many of them each request verifies per step: `fixed` (all) or
-    `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`).
+    drafters. `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
+    `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`),
+    `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
+    file `cost_profile`, or one measured at start and cached).
     """
 
     method: str
@@ -187,6 +189,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     verify_policy: str = "fixed"
     confidence_threshold: float | None = None
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         _check(

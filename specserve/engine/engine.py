@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,9 +22,12 @@ from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import SamplingBatch, sample
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
+from specserve.spec.calibration import LiveCalibration, VerificationRecords
+from specserve.spec.cost_model import CostProfile, cache_path, engine_key, profile_engine
 from specserve.spec.drafters import build_drafter
-from specserve.spec.metrics import SpecStats
-from specserve.spec.planner import verify_length
+from specserve.spec.drafters.base import DraftProposal
+from specserve.spec.metrics import SpecStats, StepRecord
+from specserve.spec.planner import Plan, build_planner, survival
 from specserve.spec.rejection import build_verify_batch, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,11 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.from_value(speculative_config)
         self.spec_stats = SpecStats()
         self.drafter = build_drafter(self.spec_config, self) if self.spec_config else None
+        self.planner = build_planner(self.spec_config, self._cost_profile()) if self.spec_config else None
+        self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
+        self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
+        self.verification_records: VerificationRecords | None = None  # set to collect STS data
+        self._planned: Plan | None = None
 
     # ---- requests -------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
@@ -183,6 +192,8 @@ class LLMEngine:
         for piece, (tokens, num_accepted, logprobs) in zip(plan.pieces, results):
             seq = piece.seq
             seq.num_computed_tokens += piece.num_tokens + num_accepted
+            if piece.num_drafts:
+                self._record_verification(seq.draft.truncate(piece.num_drafts), num_accepted)
             seq.draft = None
             emitted = 0  # fewer than len(tokens) when a stop condition ends the request inside the round
             for i, token in enumerate(tokens):
@@ -205,7 +216,49 @@ class LLMEngine:
             if piece.num_drafts and not seq.is_finished:
                 # Roll back by length: blocks past the verified tokens go back to the free list.
                 self.block_manager.shrink(seq, seq.num_tokens)
+        if self._planned is not None:
+            self.step_log.append(
+                StepRecord(
+                    budgets=self._planned.lengths,
+                    batch_tokens=plan.num_tokens,
+                    expected_accepted=self._planned.expected_accepted,
+                    accepted=sum(r[1] for r, p in zip(results, plan.pieces) if p.num_drafts),
+                )
+            )
+            self._planned = None
         return updates
+
+    def _record_verification(self, draft: DraftProposal, num_accepted: int) -> None:
+        """Live calibration (and STS records when collecting) from one verified proposal."""
+        if draft.confidences is None:
+            return
+        self.calibration.record(survival(draft), num_accepted)
+        if self.verification_records is not None:
+            self.verification_records.add(torch.logit(draft.confidences.double(), eps=1e-12), num_accepted)
+
+    def _cost_profile(self) -> CostProfile | None:
+        """The SPS table the scheduled verify policies need: the configured file, else the cached
+        measurement for this model / dtype / threads / drafter, else measured now (and cached)."""
+        if self.spec_config.verify_policy not in ("dspark", "dspark_async"):
+            return None
+        if self.spec_config.cost_profile:
+            return CostProfile.load(self.spec_config.cost_profile)
+        key = engine_key(self, self.spec_config.model)
+        path = cache_path(key)
+        if path.is_file():
+            return CostProfile.load(path)
+        logger.info("measuring the cost profile (cached in %s)", path)
+        profile = profile_engine(self, self.config.max_num_batched_tokens)
+        profile.meta.update(key)
+        profile.save(path)
+        profile.plot(path.with_suffix(".png"))
+        return profile
+
+    def _pending_prefill_tokens(self) -> int:
+        """Prompt tokens the next step will likely carry beside the decode pieces (for the planner)."""
+        pending = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
+        pending += sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
+        return min(pending, self.config.max_num_batched_tokens)
 
     def _propose(self) -> None:
         """Drafts for every running sequence whose next step is a decode step (one token not yet cached)."""
@@ -216,11 +269,14 @@ class LLMEngine:
         num_tokens = self.spec_config.num_speculative_tokens or self.drafter.default_num_tokens
         proposals = self.drafter.propose(decoding, num_tokens)
         self.spec_stats.drafting_s += time.perf_counter() - start
+        capped = []
         for seq, proposal in zip(decoding, proposals):
             # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
             room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-            proposal = proposal.truncate(max(0, room))
-            proposal = proposal.truncate(verify_length(proposal, self.spec_config))
+            capped.append(proposal.truncate(max(0, room)))
+        self._planned = self.planner.plan(capped, len(decoding) + self._pending_prefill_tokens())
+        for seq, proposal, length in zip(decoding, capped, self._planned.lengths):
+            proposal = proposal.truncate(length)
             seq.draft = proposal if proposal.token_ids else None
 
     def _run(

@@ -38,3 +38,13 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class StepRecord:
+    """One speculative step, for observability: what the planner asked for and what came of it."""
+
+    budgets: list[int]  # drafts verified per decoding request
+    batch_tokens: int  # tokens in the flat batch (decode pieces + prefill chunks)
+    expected_accepted: float  # the planner's predicted accepted drafts (sum of survival)
+    accepted: int  # drafts actually accepted

@@ -77,6 +77,7 @@ def load_draft_checkpoint(
     config.check_target(target_config, source=str(config_path))
     model = build_draft_model(config, dtype)
     load_draft_weights(model, iter_checkpoint_tensors(directory), target, source=str(directory))
+    model.checkpoint_dir = directory  # calibration files live beside the weights
     return model
 
 

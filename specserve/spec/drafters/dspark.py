@@ -19,6 +19,7 @@ import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.engine.sequence import Sequence
+from specserve.spec.calibration import load_temperatures
 from specserve.spec.deepspec.config import DSparkConfig
 from specserve.spec.deepspec.dspark import DSparkDraftModel
 from specserve.spec.drafters.base import DraftProposal, sample_drafts
@@ -31,6 +32,9 @@ class DSparkDrafter(HiddenStateDrafter):
         self.block_size = model.config.block_size
         self.default_num_tokens = model.config.block_size
         self.mask_token_id = model.config.mask_token_id
+        directory = getattr(model, "checkpoint_dir", None)
+        # STS temperatures per position (`specserve calibrate`); None: the raw confidences.
+        self.temperatures = load_temperatures(directory) if directory is not None else None
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, target) -> DSparkDrafter:
@@ -111,6 +115,8 @@ class DSparkDrafter(HiddenStateDrafter):
                 logits = logits + bias.float()  # after Gemma's softcap, never re-capped
             conf = self.model.confidence_logits(h[:, i], prev)
             if conf is not None:
+                if self.temperatures is not None and i < len(self.temperatures):
+                    conf = conf / self.temperatures[i]
                 confidence_logits.append(conf)
             q, tokens = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             q_rows.append(q)
