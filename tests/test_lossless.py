@@ -14,6 +14,7 @@ from scipy import stats
 
 from specserve import LLM, SamplingParams
 from specserve.layers.sampler import SamplingBatch, target_probs
+from specserve.spec.cost_model import CostProfile
 from tests.tiny_models import save_tiny_drafter
 
 V = 16
@@ -77,9 +78,27 @@ def drafters(models, tmp_path_factory):
         )
         return str(directory)
 
+    vanilla = dspark("vanilla")
+    # Step time 1 + 0.001 B: at ~1000 requests a draft pays when its survival exceeds ~0.5, at fewer
+    # requests lower, so the scheduled planners verify different lengths from step to step.
+    profile = CostProfile([1, 4096], [1.001, 1 + 0.001 * 4096]).save(
+        tmp_path_factory.mktemp("cost") / "p.json"
+    )
     return {
         "draft_model": {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3},
-        "dspark_vanilla": {"method": "dspark", "model": dspark("vanilla")},
+        "dspark_vanilla": {"method": "dspark", "model": vanilla},
+        "dspark_scheduled": {
+            "method": "dspark",
+            "model": vanilla,
+            "verify_policy": "dspark",
+            "cost_profile": str(profile),
+        },
+        "dspark_async": {
+            "method": "dspark",
+            "model": vanilla,
+            "verify_policy": "dspark_async",
+            "cost_profile": str(profile),
+        },
         "dspark_rnn": {"method": "dspark", "model": dspark("rnn", markov_head_type="rnn")},
         "dspark_gated_threshold": {
             "method": "dspark",
@@ -131,6 +150,8 @@ def sampled_joint(target_dir: str, spec: dict, params: SamplingParams, length: i
         key = tuple(o.outputs[0].token_ids[:length])
         counts[key] = counts.get(key, 0) + 1
     stats_ = llm.engine.spec_stats
+    if spec.get("verify_policy", "fixed") != "fixed":  # the planner chose different lengths
+        assert len({sum(r.budgets) / len(r.budgets) for r in llm.engine.step_log}) > 3
     assert len(stats_.accepted_per_position) == 3  # drafts at positions 1..3 were verified
     assert 0.05 < stats_.acceptance_rate < 0.9, stats_  # the drafter is poor, not useless
     assert min(stats_.accepted_per_position) >= 50, stats_  # and every position accepts sometimes
@@ -176,6 +197,8 @@ CASES = {
         ("dspark_gated_threshold", "temperature_0.7_top_p_top_k"),
         ("dflash", "temperature_1"),
         ("eagle3", "temperature_0.7_top_p_top_k"),
+        ("dspark_scheduled", "temperature_1"),
+        ("dspark_async", "temperature_0.7_top_p_top_k"),
     ],
 )
 def test_speculative_sampling_matches_the_target_distribution(drafter, case, models, drafters):

@@ -100,13 +100,26 @@ DSPARK_CONFIGS = {
         "verify_policy": "threshold",
         "confidence_threshold": 0.5,
     },
+    "dspark_scheduled": lambda d: {
+        "method": "dspark",
+        "model": d("qwen3", "vanilla"),
+        "verify_policy": "dspark",
+    },
+    "dspark_async": lambda d: {
+        "method": "dspark",
+        "model": d("qwen3", "vanilla"),
+        "verify_policy": "dspark_async",
+    },
     "dflash": lambda d: {"method": "dflash", "model": d("qwen3", "dflash")},
     "eagle3": lambda d: {"method": "eagle3", "model": d("qwen3", "eagle3")},
 }
 
 
 @pytest.mark.parametrize("name", list(DSPARK_CONFIGS))
-def test_dspark_greedy_equals_greedy_decoding(name, target_dir, reference, drafter_dirs):
+def test_dspark_greedy_equals_greedy_decoding(
+    name, target_dir, reference, drafter_dirs, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))  # the scheduled policies profile the engine here
     prompts, expected = reference
     llm = LLM(
         target_dir, max_model_len=256, max_num_seqs=4, speculative_config=DSPARK_CONFIGS[name](drafter_dirs)
@@ -119,6 +132,11 @@ def test_dspark_greedy_equals_greedy_decoding(name, target_dir, reference, draft
     if "vanilla" in name:
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes were exercised
     check_context_bookkeeping(observed)
+    if name != "dflash" and name != "eagle3":  # a confidence head: live calibration and the step log
+        assert sum(llm.engine.calibration.samples_per_position()) > 0
+        assert all(sum(r.budgets) + len(r.budgets) <= r.batch_tokens for r in llm.engine.step_log)
+    if "scheduled" in name or "async" in name:
+        assert list(tmp_path.glob("profiles/*.json")) and list(tmp_path.glob("profiles/*.png"))
     drafter = llm.engine.drafter
     assert drafter.states == {} and drafter.blocks.num_used_blocks == 0
     assert llm.engine.block_manager.num_used_blocks == 0

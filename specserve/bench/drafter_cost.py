@@ -15,16 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import EngineConfig, SamplingParams
+from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.engine.model_runner import PieceInput
-from specserve.engine.sequence import Sequence
 from specserve.layers.linear import pack_linears
+from specserve.spec.cost_model import fake_requests, time_draft_round
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
 from specserve.spec.deepspec.config import new_draft_config
 from specserve.spec.drafters.dspark import DSparkDrafter
-
-ACCEPTED_PER_ROUND = 4  # context rows handed to the drafter each round (anchor + 3 accepted drafts)
 
 
 @dataclass
@@ -91,22 +89,10 @@ def measure_round(
 ) -> tuple[float, float, float]:
     """Median ms of a drafting round, its verification forward, and a plain decode step."""
     block_size = drafter.block_size
-    width = drafter.model.fc.in_features
-    seqs = [
-        Sequence(f"r{r}", list(range(100, 100 + context)), SamplingParams(temperature=1.0), 1 << 20)
-        for r in range(num_requests)
-    ]
+    seqs = fake_requests(num_requests, context, engine.vocab_size)
     for seq in seqs:  # the prompt's context rows, projected by the first (untimed) round
-        drafter.observe(seq, 0, torch.randn(context - 1, width))
+        drafter.observe(seq, 0, torch.randn(context - 1, drafter.model.fc.in_features))
     drafter.propose(seqs, block_size)
-
-    def draft_round():
-        for seq in seqs:
-            start = seq.num_tokens - 1
-            seq.output_token_ids += [7] * ACCEPTED_PER_ROUND
-            drafter.observe(seq, start, torch.randn(ACCEPTED_PER_ROUND, width))
-        drafter.propose(seqs, block_size)
-
     # Target pieces: each request its own blocks, its context "cached" (the values do not matter).
     per_request = -(-(context + block_size + 1) // engine.config.block_size)
     tables = [list(range(r * per_request, (r + 1) * per_request)) for r in range(num_requests)]
@@ -114,7 +100,7 @@ def measure_round(
     decode = [PieceInput([5], context, t) for t in tables]
     draft_s, verify_s, decode_s = [], [], []
     for _ in range(repeats):
-        draft_s.append(_timed(draft_round))
+        draft_s.append(time_draft_round(drafter, seqs, block_size))
         verify_s.append(_timed(lambda: engine.runner.forward(verify, range(len(verify) * (block_size + 1)))))
         decode_s.append(_timed(lambda: engine.runner.forward(decode, range(len(decode)))))
     for seq in seqs:

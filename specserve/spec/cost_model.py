@@ -133,11 +133,11 @@ def engine_key(engine, drafter_model: str | None) -> dict:
 ACCEPTED_PER_ROUND = 4  # new context rows per request and round when timing a drafter (anchor + 3)
 
 
-def fake_requests(num_requests: int, context: int) -> list:
+def fake_requests(num_requests: int, context: int, vocab_size: int) -> list:
     from specserve.config import SamplingParams
     from specserve.engine.sequence import Sequence
 
-    prompt = [100 + i % 1000 for i in range(context)]
+    prompt = [(100 + i) % vocab_size for i in range(context)]
     return [
         Sequence(f"profile-{r}", list(prompt), SamplingParams(temperature=1.0), 1 << 20)
         for r in range(num_requests)
@@ -166,7 +166,7 @@ def profile_engine(engine, num_tokens: int, repeats: int = 3) -> CostProfile:
     from specserve.engine.model_runner import PieceInput
 
     context = min(DEFAULT_CONTEXT, engine.max_model_len - PIECE_LEN - 1)
-    scratch = fake_requests(1, context + PIECE_LEN)[0]
+    scratch = fake_requests(1, context + PIECE_LEN, engine.vocab_size)[0]
     engine.block_manager.grow(scratch, context + PIECE_LEN)  # every piece reads the same blocks: timing only
 
     def forward(b: int, _context: int) -> None:
@@ -183,7 +183,7 @@ def profile_engine(engine, num_tokens: int, repeats: int = 3) -> CostProfile:
             engine.block_manager.free(scratch)
         draft_s = []
         for r in request_grid:
-            seqs = fake_requests(r, context)
+            seqs = fake_requests(r, context, engine.vocab_size)
             drafter = engine.drafter
             k = engine.spec_config.num_speculative_tokens or drafter.default_num_tokens
             if drafter.capture_layers:
