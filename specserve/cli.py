@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | bench ...`."""
+"""Command line: `specserve generate | calibrate | profile | bench ...`."""
 
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     t_load = time.monotonic()
     llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative_config=args.speculative_config,
     )
     print(f"[loaded {args.model} in {time.monotonic() - t_load:.1f}s]", file=sys.stderr)
     prompt = (
@@ -113,6 +117,65 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompts_from(files: str, limit: int) -> list[str]:
+    from pathlib import Path
+
+    from specserve.bench.spec_decode import load_eval_prompts
+
+    return [p for f in files.split(",") for p in load_eval_prompts(Path(f), limit)]
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.spec.calibrate import calibrate, format_report
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative_config=args.speculative_config,
+        seed=args.seed,
+    )
+    prompts = [
+        {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
+        for p in _prompts_from(args.prompts, args.num_prompts)
+    ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    print(format_report(calibrate(llm, prompts, params, args.output_dir)))
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.spec.cost_model import cache_path, engine_key, profile_engine
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative_config=args.speculative_config,
+    )
+    engine = llm.engine
+    if engine.drafter is None:
+        raise SpecserveError("profile needs --speculative-config: the drafter's cost is part of the table")
+    profile = profile_engine(engine, engine.config.max_num_batched_tokens)
+    key = engine_key(engine, engine.spec_config.model)
+    profile.meta.update(key)
+    path = profile.save(args.output or cache_path(key))
+    profile.plot(path.with_suffix(".png"))
+    print(f"{'B':>6} {'step ms':>9} {'SPS':>8} {'tokens/s':>9}")
+    for b, t in zip(profile.batch_tokens, profile.step_s):
+        print(f"{b:>6} {t * 1e3:>9.1f} {1 / t:>8.2f} {b / t:>9.1f}")
+    print(
+        "drafting round ms by requests: "
+        + ", ".join(f"{r}: {t * 1e3:.1f}" for r, t in zip(profile.draft_requests, profile.draft_s))
+    )
+    print(f"saved {path} and {path.with_suffix('.png')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.set_defaults(func=_generate)
+
+    cal = sub.add_parser("calibrate", help="fit STS temperatures for a DSpark drafter's confidence head")
+    _engine_args(cal)
+    cal.add_argument("--prompts", required=True, help="comma-separated JSONL files ({'turns': [...]} rows)")
+    cal.add_argument("--num-prompts", type=int, default=20, help="per file")
+    cal.add_argument("--max-tokens", type=int, default=256)
+    cal.add_argument("--temperature", type=float, default=1.0)
+    cal.add_argument("--output-dir", default=None, help="default: the drafter's checkpoint directory")
+    cal.set_defaults(func=_calibrate)
+
+    prof = sub.add_parser("profile", help="measure and cache the SPS(B) cost table of target + drafter")
+    _engine_args(prof)
+    prof.add_argument("--output", default=None, help="JSON path (default: the engine's cache)")
+    prof.set_defaults(func=_profile)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

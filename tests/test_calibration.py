@@ -60,3 +60,22 @@ def test_live_calibration_matches_the_offline_ece():
     offline = [ece(*position_data(logits, lengths, accepted, ones, j)) for j in range(logits.shape[1])]
     assert all(abs(a - b) < 1e-9 for a, b in zip(live.ece_per_position(), offline, strict=True))
     assert live.samples_per_position() == [int((lengths > j).sum()) for j in range(logits.shape[1])]
+
+
+def test_calibrate_command_writes_temperatures_the_engine_applies(tiny_model_dir, tmp_path):
+    from specserve import LLM, SamplingParams
+    from specserve.spec.calibrate import calibrate
+    from tests.tiny_models import save_tiny_drafter
+
+    target = str(tiny_model_dir("qwen3"))
+    drafter_dir = save_tiny_drafter(target, tmp_path / "drafter", std=0.2)
+    spec = {"method": "dspark", "model": str(drafter_dir)}
+    llm = LLM(target, max_model_len=128, speculative_config=spec)
+    prompts = [[5 + i, 6, 7 + i, 8] for i in range(12)]
+    report = calibrate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0))
+    assert [r["position"] for r in report] == [1, 2, 3, 4] and report[0]["samples"] > 50
+    for name in ("sts_temperatures.json", "calibration_report.json", "reliability_diagram.png"):
+        assert (drafter_dir / name).is_file()
+    temperatures = load_temperatures(drafter_dir)
+    fresh = LLM(target, max_model_len=128, speculative_config=spec)
+    assert fresh.engine.drafter.temperatures == temperatures
