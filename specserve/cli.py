@@ -24,9 +24,21 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _llm_from(args: argparse.Namespace):
+    """An LLM from the shared engine flags (`_engine_args`)."""
     from specserve.llm import LLM
 
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative_config=args.speculative_config,
+        seed=args.seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -35,13 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     t_load = time.monotonic()
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        speculative_config=args.speculative_config,
-    )
+    llm = _llm_from(args)
     print(f"[loaded {args.model} in {time.monotonic() - t_load:.1f}s]", file=sys.stderr)
     prompt = (
         {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": args.prompt}])}
@@ -126,17 +132,9 @@ def _prompts_from(files: str, limit: int) -> list[str]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from specserve.llm import LLM
     from specserve.spec.calibrate import calibrate, format_report
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        speculative_config=args.speculative_config,
-        seed=args.seed,
-    )
+    llm = _llm_from(args)
     prompts = [
         {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
         for p in _prompts_from(args.prompts, args.num_prompts)
@@ -147,16 +145,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from specserve.llm import LLM
     from specserve.spec.cost_model import cache_path, engine_key, profile_engine
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        speculative_config=args.speculative_config,
-    )
+    llm = _llm_from(args)
     engine = llm.engine
     if engine.drafter is None:
         raise SpecserveError("profile needs --speculative-config: the drafter's cost is part of the table")

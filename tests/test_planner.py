@@ -131,3 +131,30 @@ def test_budget_per_request_falls_with_load():
         mean_budget.append(sum(plan.lengths) / num_requests)
     assert all(a >= b for a, b in zip(mean_budget, mean_budget[1:]))
     assert mean_budget[0] == 7 and mean_budget[-1] <= 1 and mean_budget[1] > mean_budget[-1]
+
+
+def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from specserve.cli import main
+
+    spec = json.dumps({"method": "ngram"})
+    out = tmp_path / "profile.json"
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(tiny_model_dir("qwen3")),
+                "--speculative-config",
+                spec,
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    profile = CostProfile.load(out)
+    assert profile.batch_tokens[0] == 1 and profile.batch_tokens[-1] == 2048
+    assert all(t > 0 for t in profile.step_s) and len(profile.draft_s) == len(profile.draft_requests)
+    assert out.with_suffix(".png").is_file() and "saved" in capsys.readouterr().out
