@@ -1,0 +1,104 @@
+"""Drafter training pieces: DSPARK.md §10's anchor / eval-mask vectors and loss weights, each loss term on
+hand-checked tensors, and a few steps on a tiny target that lower the loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specserve.models.loader import load_model
+from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec.deepspec.config import new_draft_config
+from specserve.train.anchors import make_blocks, position_weights, sample_anchors
+from specserve.train.forward import dspark_training_forward, target_features
+from specserve.train.losses import dspark_loss
+from tests.tiny_models import VOCAB
+
+
+def test_anchor_and_eval_mask_vectors():
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1])
+    anchors, keep = sample_anchors(loss_mask, 6)
+    assert anchors.tolist() == [2, 3, 4, 7, 0, 0] and keep.tolist() == [1, 1, 1, 1, 0, 0]
+    blocks = make_blocks(torch.arange(10, 19), loss_mask, anchors, keep, 3)
+    expected = [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert blocks.eval_mask.long().tolist() == expected
+    assert blocks.labels[0].tolist() == [13, 14, 15]  # slot i of anchor 2 is labelled with position 3 + i
+    assert blocks.prev_tokens[0].tolist() == [12, 13, 14]  # the anchor, then the previous slots' labels
+
+
+def test_anchor_sampling_draws_distinct_sorted_candidates():
+    loss_mask = torch.ones(100, dtype=torch.long)
+    anchors, keep = sample_anchors(loss_mask, 10, torch.Generator().manual_seed(0))
+    assert keep.all() and len(set(anchors.tolist())) == 10 and anchors.tolist() == sorted(anchors.tolist())
+    assert anchors.max() <= 98
+
+
+def test_loss_weights():
+    expected = [1, 0.7788, 0.6065, 0.4724, 0.3679, 0.2865, 0.2231]
+    assert position_weights(7).tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_each_loss_term_by_hand():
+    # one block of 2 slots over a 2-token vocabulary
+    draft = torch.log(torch.tensor([[[0.8, 0.2], [0.5, 0.5]]]))
+    target = torch.log(torch.tensor([[[0.6, 0.4], [0.5, 0.5]]]))
+    labels = torch.tensor([[0, 1]])
+    mask = torch.tensor([[True, True]])
+    w = torch.tensor([1.0, 0.5])
+    conf = torch.tensor([[0.0, 2.0]])
+    terms = dspark_loss(draft, target, labels, mask, w, conf)
+    ce = (-math.log(0.8) * 1 + -math.log(0.5) * 0.5) / 1.5
+    l1 = (0.4 * 1 + 0.0 * 0.5) / 1.5
+    accept = [0.8, 1.0]
+    bce = [
+        -(a * math.log(s) + (1 - a) * math.log(1 - s)) for a, s in zip(accept, [0.5, 1 / (1 + math.exp(-2))])
+    ]
+    conf_loss = (bce[0] * 1 + bce[1] * 0.5) / 1.5
+    assert terms.ce.item() == pytest.approx(ce, rel=1e-5)
+    assert terms.l1.item() == pytest.approx(l1, rel=1e-5)
+    assert terms.conf.item() == pytest.approx(conf_loss, rel=1e-5)
+    assert terms.total.item() == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * conf_loss, rel=1e-5)
+    assert terms.slot_acceptance.tolist() == pytest.approx(accept)
+    masked = dspark_loss(draft, target, labels, torch.tensor([[True, False]]), w, conf)
+    assert masked.ce.item() == pytest.approx(-math.log(0.8), rel=1e-5)
+
+
+@pytest.mark.parametrize("heads", ["dspark", "dflash"])
+def test_training_steps_lower_the_loss(heads, tiny_model_dir):
+    target, target_config, _ = load_model(str(tiny_model_dir("qwen3")))
+    extra = {} if heads == "dspark" else dict(markov_rank=0, confidence_head=False)
+    config = new_draft_config(
+        target_config, num_layers=1, block_size=4, markov_rank=16, mask_token_id=VOCAB - 1, **extra
+    )
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB - 1, (48,), generator=g)
+    features, last_hidden = target_features(target, ids.tolist(), config.target_layer_ids)
+    loss_mask = (torch.arange(48) >= 8).long()
+    trainable = [p for n, p in model.named_parameters() if not n.startswith(("embed_tokens", "lm_head"))]
+    for p in model.parameters():
+        p.requires_grad_(any(p is t for t in trainable))
+    optimizer = torch.optim.AdamW(trainable, lr=3e-3)
+    w = position_weights(4)
+    losses = []
+    for step in range(30):
+        out = dspark_training_forward(
+            model, ids, features, last_hidden, loss_mask, 16, torch.Generator().manual_seed(step)
+        )
+        terms = dspark_loss(
+            out.draft_logits,
+            out.target_logits,
+            out.blocks.labels,
+            out.blocks.eval_mask,
+            w,
+            out.confidence_logits,
+        )
+        optimizer.zero_grad()
+        terms.total.backward()
+        optimizer.step()
+        losses.append(terms.total.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert model.embed_tokens.weight.grad is None  # the frozen target tensors are not trained
