@@ -68,10 +68,8 @@ def test_each_loss_term_by_hand():
 @pytest.mark.parametrize("heads", ["dspark", "dflash"])
 def test_training_steps_lower_the_loss(heads, tiny_model_dir):
     target, target_config, _ = load_model(str(tiny_model_dir("qwen3")))
-    extra = {} if heads == "dspark" else dict(markov_rank=0, confidence_head=False)
-    config = new_draft_config(
-        target_config, num_layers=1, block_size=4, markov_rank=16, mask_token_id=VOCAB - 1, **extra
-    )
+    extra = dict(markov_rank=16) if heads == "dspark" else dict(markov_rank=0, confidence_head=False)
+    config = new_draft_config(target_config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, **extra)
     model = build_draft_model(config)
     init_draft_weights(model, target, seed=0)
     g = torch.Generator().manual_seed(0)
