@@ -191,7 +191,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("completions", {"prompt": "hi", "seed": 2**64}, "seed"),
-    ("completions", {"prompt": ""}, "empty"),
+    ("completions", {"prompt": ""}, "prompt: String should have at least 1 character"),
     ("completions", {"prompt": [5, 999]}, "token ids"),
     ("completions", {"prompt": list(range(5, 250)) * 2}, "max_model_len"),
     ("chat/completions", {"messages": []}, "messages"),

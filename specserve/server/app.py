@@ -47,7 +47,18 @@ ERROR_TYPES = {
     503: "service_unavailable",
 }
 _ERROR_DOCS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
-_STREAM_DOC = {"description": "with stream: true, server-sent events of chunks, then `data: [DONE]`"}
+_STREAM_DOC = {
+    "description": "the response; with stream: true, server-sent events of chunks, then `data: [DONE]`",
+    "content": {
+        "text/event-stream": {
+            "schema": {  # one event (OpenAPI 3.1 reading): its data is a JSON chunk, or "[DONE]" at the end
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string"}},
+            }
+        }
+    },
+}
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -160,18 +171,31 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return fail(request, 500, f"internal server error: {type(exc).__name__}: {exc}")
 
 
+_NOT_FIELDS = {"body", "str", "int", "float", "bool"}
+
+
 def _describe_validation_errors(exc: RequestValidationError) -> str:
-    """'temperature: Input should be less than or equal to 2; ...' (the body's own location dropped)."""
-    parts = []
+    """'temperature: Input should be less than or equal to 2; ...', one clause per field."""
+    by_field: dict[str, list[dict]] = {}
     for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"] if part != "body")
-        message = error["msg"]
-        if error["type"] == "json_invalid":
-            message = f"the body is not valid JSON ({error.get('ctx', {}).get('error', message)})"
-        elif not location and error["type"] in ("model_attributes_type", "dict_type"):
-            message = "the body must be a JSON object, sent with Content-Type: application/json"
-        parts.append(f"{location}: {message}" if location else message)
-    return "; ".join(parts) or "invalid request"
+        # Drop the body's own location and the names pydantic gives union members ('str', 'list[...]').
+        parts = [p for p in error["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _NOT_FIELDS)]
+        by_field.setdefault(".".join(map(str, parts)), []).append(error)
+    clauses = []
+    for field, errors in by_field.items():
+        # For a union, a member's specific complaint (too short, too big) beats "not a list" from the others.
+        specific = [e for e in errors if not e["type"].endswith("_type")] or errors
+        messages = list(dict.fromkeys(_message(e, field) for e in specific))
+        clauses.append(f"{field}: {' or '.join(messages)}" if field else "; ".join(messages))
+    return "; ".join(clauses) or "invalid request"
+
+
+def _message(error: dict, field: str) -> str:
+    if error["type"] == "json_invalid":
+        return f"the body is not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
+    if not field and error["type"] in ("model_attributes_type", "dict_type"):
+        return "the body must be a JSON object, sent with Content-Type: application/json"
+    return error["msg"]
 
 
 class ApiKeyCheck:

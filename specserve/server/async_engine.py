@@ -240,9 +240,11 @@ class AsyncEngine:
                 self._apply_commands(wait=not self.engine.has_unfinished)
                 if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
                     self._abort_all()
-                if self.engine.has_unfinished and not self._stopped:
-                    self._step()
+                outputs = self._step() if self.engine.has_unfinished and not self._stopped else []
+                # Publish before delivering, so a client that saw an update sees gauges at least as fresh.
                 self._publish_snapshot()
+                for output in outputs:
+                    self._deliver(output)
                 self._log_stats_when_due()
         except BaseException:
             logger.exception("the engine loop crashed; failing every live request")
@@ -291,17 +293,15 @@ class AsyncEngine:
             self._live[seq.request_id] = _Live(stream, index, seq)
         stream.settle_admission(None)
 
-    def _step(self) -> None:
+    def _step(self) -> list[RequestOutput]:
         try:
-            outputs = self.engine.step()
+            return self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it was running")
             running = [s.request_id for s in self.engine.scheduler.running]
             # A failure outside any running request (say, while scheduling) would repeat forever: fail all.
             self._fail(running or list(self._live), f"the engine failed while running this request: {exc}")
-            return
-        for output in outputs:
-            self._deliver(output)
+            return []
 
     def _deliver(self, output: RequestOutput) -> None:
         live = self._live.get(output.request_id)

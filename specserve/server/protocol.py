@@ -11,14 +11,26 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_CHOICES = 128  # `n` above this is surely a mistake; each choice is one engine request
 MAX_LOGPROBS = 20  # the engine returns at most 20 alternatives per token
 
+
+def _integral_float_as_int(value: object) -> object:
+    # JSON Schema (and so the published schema) counts 2.0 as an integer; strict pydantic would not.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds) -> type[int]:
+    """An integer field type with `Field` bounds (ge=, le=) that also takes 2.0 for 2."""
+    # The bounds go before the validator, so the schema shows them as minimum/maximum.
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float_as_int)]
+
+
 FinishReason = Literal["stop", "length", "abort"]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = integer(ge=0)
 
 
 class _Request(BaseModel):
@@ -33,16 +45,16 @@ class SamplingFields(_Request):
     """Everything both generation endpoints share: the model, how many choices, and how to sample."""
 
     model: str | None = Field(None, description="must name the served model when given")
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: integer(ge=1, le=MAX_CHOICES) = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 turns it off")
+    top_k: integer(ge=-1) | None = Field(None, description="-1 or 0 turns it off")
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # Choice i of a seeded request samples with seed + i, so the bound keeps every seed a valid 64-bit one.
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: integer(ge=-(2**63), le=2**63 - 1) | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -54,13 +66,13 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: (
-        str
-        | Annotated[list[str], Field(min_length=1)]
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     ) = Field(description="a string, a list of strings, a list of token ids, or a list of those")
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: integer(ge=1) | None = 16
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
 
 
 class TextPart(_Request):
@@ -75,10 +87,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = Field(None, description="OpenAI deprecated it: max_completion_tokens")
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------------------
