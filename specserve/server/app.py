@@ -81,8 +81,6 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
             await async_engine.stop()
 
     app = FastAPI(title="specserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
-    app.state.async_engine = async_engine
-    app.state.metrics = metrics
     _add_error_handlers(app, metrics)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key, metrics=metrics)

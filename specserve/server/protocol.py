@@ -9,7 +9,7 @@ has no use for; the app logs their names.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -22,7 +22,7 @@ def _integral_float_as_int(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def integer(**bounds) -> type[int]:
+def integer(**bounds) -> Any:
     """An integer field type with `Field` bounds (ge=, le=) that also takes 2.0 for 2."""
     # The bounds go before the validator, so the schema shows them as minimum/maximum.
     return Annotated[int, Field(**bounds), BeforeValidator(_integral_float_as_int)]

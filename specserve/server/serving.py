@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from specserve.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from specserve.server.generation import Generation
@@ -60,7 +61,7 @@ class _EventStream(StreamingResponse):
             self._events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
