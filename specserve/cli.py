@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | calibrate | profile | bench ...`."""
+"""Command line: `specserve generate | serve | calibrate | profile | bench ...`."""
 
 from __future__ import annotations
 
@@ -167,6 +167,27 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.server import serve
+
+    return serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        speculative_config=args.speculative_config,
+        max_waiting=args.max_waiting_requests,
+        drain_timeout_s=args.shutdown_timeout,
+        log_stats_interval_s=args.log_stats_interval,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +215,29 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(prof)
     prof.add_argument("--output", default=None, help="JSON path (default: the engine's cache)")
     prof.set_defaults(func=_profile)
+
+    srv = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
+    )
+    srv.add_argument("model", help="short name, local dir, .gguf file or hub id")
+    srv.add_argument("--speculative-config", default=None, help="JSON, as for generate")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
+    srv.add_argument("--dtype", default="float32")
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--kv-cache-memory", default="2GiB")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument(
+        "--max-waiting-requests", type=int, default=256, help="beyond the running batch; more get 429"
+    )
+    srv.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
+    )
+    srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats")
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -123,3 +123,41 @@ def save_tiny_drafter(
             draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
             draft.markov_head.markov_w2.weight.copy_(markov_bias.T)
     return save_draft_checkpoint(draft, directory)
+
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4, as the configs say
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_byte_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer that fits the tiny vocabulary, with a chat template, saved into `directory`.
+
+    Ids 0-4 are the special tokens; every other id is the byte of that value (bytes 0-4 cannot be
+    written, which no test text needs), so any text encodes and every generated id decodes.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(len(SPECIAL_TOKENS), VOCAB)}
+    vocab.update({token: i for i, token in enumerate(SPECIAL_TOKENS)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_chat_model(arch: str, directory: Path) -> Path:
+    """A tiny random model with the byte tokenizer beside it: text prompts and chat work."""
+    save_tiny_model(arch, directory)
+    return save_byte_tokenizer(directory)
