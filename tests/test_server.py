@@ -311,3 +311,12 @@ def test_metrics_count_requests_tokens_latencies_and_speculation(model_dir):
         wait_until(
             lambda: {key: srv.metrics().get(key) for key in expected} == expected, what="metrics to settle"
         )
+
+
+def test_metrics_expose_the_live_calibration_ece():
+    from specserve.server.async_engine import EngineSnapshot
+    from specserve.server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: EngineSnapshot(calibration_ece=[0.125, 0.25])).exposition().decode()
+    assert 'specserve:spec_decode_calibration_ece{position="0"} 0.125' in text
+    assert 'specserve:spec_decode_calibration_ece{position="1"} 0.25' in text

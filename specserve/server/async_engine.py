@@ -74,6 +74,7 @@ class EngineSnapshot:
     num_used_blocks: int = 0
     num_blocks: int = 0
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)
+    calibration_ece: list[float] = dataclasses.field(default_factory=list)  # live ECE per draft position
 
 
 class RequestStream:
@@ -347,6 +348,7 @@ class AsyncEngine:
             num_used_blocks=self.engine.block_manager.num_used_blocks,
             num_blocks=self.engine.block_manager.num_blocks,
             spec=dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)),
+            calibration_ece=self.engine.calibration.ece_per_position(),
         )
 
     def _log_stats_when_due(self) -> None:

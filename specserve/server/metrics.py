@@ -153,3 +153,11 @@ class _EngineCollector(Collector):
         for position, count in enumerate(spec.accepted_per_position):
             per_position.add_metric([str(position)], count)
         yield per_position
+        ece = GaugeMetricFamily(
+            "specserve:spec_decode_calibration_ece",
+            "Live ECE of the predicted draft survival at each position (drafters with a confidence head)",
+            labels=["position"],
+        )
+        for position, value in enumerate(snap.calibration_ece):
+            ece.add_metric([str(position)], value)
+        yield ece
