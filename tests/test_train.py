@@ -14,6 +14,7 @@ from specserve.spec.deepspec.config import new_draft_config
 from specserve.train.anchors import make_blocks, position_weights, sample_anchors
 from specserve.train.forward import dspark_training_forward, target_features
 from specserve.train.losses import dspark_loss
+from specserve.train.trainer import Sample, TrainConfig, Trainer, learning_rate
 from tests.tiny_models import VOCAB
 
 
@@ -100,3 +101,46 @@ def test_training_steps_lower_the_loss(heads, tiny_model_dir):
         losses.append(terms.total.item())
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert model.embed_tokens.weight.grad is None  # the frozen target tensors are not trained
+
+
+def tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=40):
+    target, target_config, _ = load_model(str(tiny_model_dir("qwen3")))
+    config = new_draft_config(
+        target_config, num_layers=1, block_size=4, markov_rank=16, mask_token_id=VOCAB - 1
+    )
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(num_samples):
+        ids = torch.randint(0, VOCAB - 1, (seq_len,), generator=g)
+        features, last_hidden = target_features(target, ids.tolist(), config.target_layer_ids)
+        samples.append(Sample(ids, (torch.arange(seq_len) >= 6).long(), features, last_hidden))
+    return target, target_config, config, samples
+
+
+def test_save_then_resume_continues_bit_identically(tiny_model_dir, tmp_path):
+    target, target_config, config, samples = tiny_training_setup(tiny_model_dir)
+    train_config = TrainConfig(total_steps=6, batch_size=2, lr=3e-3, num_anchors=8)
+
+    def fresh():
+        model = build_draft_model(config)
+        init_draft_weights(model, target, seed=0)
+        return Trainer(model, samples, train_config)
+
+    straight = fresh()
+    logs = [straight.step() for _ in range(6)]
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    interrupted = fresh()
+    for _ in range(3):
+        interrupted.step()
+    resumed = Trainer.resume(interrupted.save(tmp_path / "ckpt"), target, target_config, samples)
+    for _ in range(3):
+        resumed.step()
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_learning_rate_schedule():
+    config = TrainConfig(total_steps=100, lr=1.0, warmup_ratio=0.04)
+    assert [learning_rate(s, config) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert learning_rate(52, config) == pytest.approx(0.5)  # half way through the cosine
+    assert learning_rate(99, config) < 0.01
