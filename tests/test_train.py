@@ -144,3 +144,31 @@ def test_learning_rate_schedule():
     assert [learning_rate(s, config) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert learning_rate(52, config) == pytest.approx(0.5)  # half way through the cosine
     assert learning_rate(99, config) < 0.01
+
+
+def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
+    from specserve import SpecserveError
+    from specserve.train.target_cache import CacheInfo, TargetCache, bytes_per_token, write_target_cache
+
+    _, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=20)
+    info = CacheInfo(config.target_layer_ids, config.hidden_size, "tiny-qwen3")
+    # a small shard limit: the samples spread over several shards
+    write_target_cache(tmp_path / "cache", samples, info, shard_bytes=2 * 20 * bytes_per_token(64, 2))
+    cache = TargetCache(tmp_path / "cache")
+    assert len(cache) == 3 and cache.manifest["num_shards"] == 2
+    for original, stored in zip(samples, (cache[i] for i in range(3))):
+        assert torch.equal(stored.input_ids, original.input_ids)
+        assert torch.equal(stored.loss_mask, original.loss_mask)
+        torch.testing.assert_close(stored.features, original.features.to(torch.bfloat16).float())
+        torch.testing.assert_close(stored.last_hidden, original.last_hidden.to(torch.bfloat16).float())
+    cache.check(config, "tiny-qwen3")
+    other = new_draft_config(
+        load_model(str(tiny_model_dir("qwen3")))[1],
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=[0],
+    )
+    with pytest.raises(SpecserveError, match="target_layer_ids"):
+        cache.check(other)
+    with pytest.raises(SpecserveError, match="target 'tiny-qwen3' != 'another'"):
+        cache.check(config, "another")
