@@ -196,7 +196,7 @@ CASES = {
         ("dspark_rnn", "temperature_1"),
         ("dspark_gated_threshold", "temperature_0.7_top_p_top_k"),
         ("dflash", "temperature_1"),
-        ("eagle3", "temperature_0.7_top_p_top_k"),
+        ("eagle3", "temperature_1"),
         ("dspark_scheduled", "temperature_1"),
         ("dspark_async", "temperature_0.7_top_p_top_k"),
     ],
