@@ -172,3 +172,40 @@ def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
         cache.check(other)
     with pytest.raises(SpecserveError, match="target 'tiny-qwen3' != 'another'"):
         cache.check(config, "another")
+
+
+def _ddp_worker(rank: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=2)
+    try:
+        trainer = _one_step_trainer(model_dir)
+        logs = trainer.step()
+        torch.save({"params": trainer.model.state_dict(), "loss": logs["loss"]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_step_trainer(model_dir: str) -> Trainer:
+    class Dirs:
+        def __call__(self, arch):
+            return model_dir
+
+    target, _, config, samples = tiny_training_setup(Dirs(), num_samples=4, seq_len=24)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    return Trainer(model, samples, TrainConfig(total_steps=10, batch_size=4, lr=1e-2, num_anchors=6))
+
+
+def test_two_process_gloo_step_equals_one_process(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    model_dir = str(tiny_model_dir("qwen3"))
+    mp.spawn(_ddp_worker, args=(model_dir, str(tmp_path)), nprocs=2, join=True)
+    single = _one_step_trainer(model_dir)
+    logs = single.step()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["loss"] == pytest.approx(logs["loss"], rel=1e-5)
+        for name, value in single.model.state_dict().items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)

@@ -4,6 +4,10 @@ DFlash) loss over sampled blocks, checkpoints in DeepSpec's format plus a traini
 Determinism: sample order comes from (seed, epoch) and each sample's anchors from (seed, step, index), so
 resuming from a checkpoint continues exactly as an uninterrupted run would (tested bit for bit on CPU).
 The embedding and LM head are the target's and stay frozen.
+
+Several processes (torch.distributed, e.g. gloo on CPU or nccl on GPUs): each rank takes every
+world_size-th sample of the global batch, scales its losses by 1 / global batch, and the gradients are
+summed across ranks before clipping, so every rank takes the step one process would take on the whole batch.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class Trainer:
         self.loss_weights = DSPARK_WEIGHTS if has_heads else DFLASH_WEIGHTS
         self.slot_weights = position_weights(model.config.block_size, config.loss_decay_gamma)
         self.step_index = 0
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if distributed else 0
+        self.world_size = torch.distributed.get_world_size() if distributed else 1
 
     def sample_indices(self, step: int) -> list[int]:
         """The samples of optimizer step `step`: a seeded permutation per epoch, read in order."""
@@ -98,8 +105,8 @@ class Trainer:
         logs = {"ce": 0.0, "l1": 0.0, "conf": 0.0, "loss": 0.0}
         acceptance = torch.zeros(self.model.config.block_size)
         indices = self.sample_indices(self.step_index)
-        for j, index in enumerate(indices):
-            s = self.samples[index]
+        for j in range(self.rank, len(indices), self.world_size):
+            s = self.samples[indices[j]]
             generator = torch.Generator().manual_seed(
                 self.config.seed * 1_000_003 + self.step_index * 1009 + j
             )
@@ -130,6 +137,8 @@ class Trainer:
             ):
                 logs[key] += float(value.detach()) / len(indices)
             acceptance += terms.slot_acceptance / len(indices)
+        if self.world_size > 1:
+            self._sum_across_ranks(logs, acceptance)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         self.optimizer.step()
         self.step_index += 1
@@ -142,6 +151,16 @@ class Trainer:
             "tau": tau,
             "acceptance": acceptance.tolist(),
         }
+
+    def _sum_across_ranks(self, logs: dict, acceptance: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+        totals = torch.tensor([logs[k] for k in sorted(logs)])
+        torch.distributed.all_reduce(totals)
+        logs.update(zip(sorted(logs), totals.tolist()))
+        torch.distributed.all_reduce(acceptance)
 
     def save(self, directory: str | Path) -> Path:
         """The drafter (DeepSpec format) and the state to resume from."""
