@@ -209,3 +209,57 @@ def test_two_process_gloo_step_equals_one_process(tiny_model_dir, tmp_path):
         assert result["loss"] == pytest.approx(logs["loss"], rel=1e-5)
         for name, value in single.model.state_dict().items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_conversation_loss_mask_covers_assistant_turns_only(tmp_path):
+    from transformers import AutoTokenizer
+
+    from specserve.train.data import tokenize_conversation
+    from tests.tiny_models import save_byte_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(save_byte_tokenizer(tmp_path)))
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "sure"},
+    ]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    # each assistant turn including its end marker; the default system prompt was added, untrained
+    assert trained == "yo<|im_end|>\nsure<|im_end|>\n"
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    short_ids, short_mask = tokenize_conversation(tokenizer, messages, max_length=20)
+    assert len(short_ids) == len(short_mask) == 20
+
+
+def test_code_prompts_come_from_local_functions_and_are_reproducible(tmp_path):
+    from specserve.train.data import code_prompts
+
+    (tmp_path / "mod.py").write_text(
+        "def add(a, b):\n    '''Sum.'''\n    c = a + b\n    return c\n\n\ndef tiny():\n    return 1\n"
+    )
+    prompts = code_prompts(3, seed=1, roots=[tmp_path])
+    assert len(prompts) == 1 and "def add(a, b):" in prompts[0]  # `tiny` is too short to ask about
+    stdlib = code_prompts(5, seed=3)
+    assert len(stdlib) == 5 and stdlib == code_prompts(5, seed=3)
+
+
+def test_regenerate_writes_deepspec_rows_and_resumes(tmp_path):
+    import json
+
+    from specserve import LLM, SamplingParams
+    from specserve.train.data import read_prompts, regenerate
+    from tests.tiny_models import save_tiny_chat_model
+
+    llm = LLM(str(save_tiny_chat_model("qwen3", tmp_path / "m")), max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = tmp_path / "data.jsonl"
+    regenerate(llm, ["first", "second"], out, params, batch_size=1)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1] and all(r["status"] == "success" for r in rows)
+    assert rows[0]["conversations"][0] == {"role": "user", "content": "first"}
+    assert rows[0]["conversations"][1]["role"] == "assistant"
+    regenerate(llm, ["first", "second", "third"], out, params)  # resumes: only the new prompt runs
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1, 2]
+    assert read_prompts(out) == ["first", "second", "third"]
