@@ -263,3 +263,21 @@ def test_regenerate_writes_deepspec_rows_and_resumes(tmp_path):
     regenerate(llm, ["first", "second", "third"], out, params)  # resumes: only the new prompt runs
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1, 2]
     assert read_prompts(out) == ["first", "second", "third"]
+
+
+def test_training_goes_through_a_packed_target_head(tiny_model_dir):
+    """An inference-only (oneDNN) LM head would silently stop gradients; the trainer swaps in a plain one."""
+    from specserve.layers.linear import PackedLinear
+
+    target, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=1, seq_len=20)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    weight = model.lm_head.weight.detach().clone()
+    dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+    model.lm_head = PackedLinear(dense)
+    trainer = Trainer(model, samples, TrainConfig(total_steps=2, num_anchors=4))
+    assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, weight)
+    trainer.step()
+    assert model.norm.weight.grad is not None and model.norm.weight.grad.abs().sum() > 0

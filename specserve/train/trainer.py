@@ -68,6 +68,12 @@ def trainable_parameters(model: DSparkDraftModel) -> list[torch.nn.Parameter]:
 
 class Trainer:
     def __init__(self, model: DSparkDraftModel, samples: Sequence[Sample], config: TrainConfig):
+        if type(model.lm_head) is not torch.nn.Linear:
+            # The target's inference layer (oneDNN-packed) has no autograd: gradients would silently stop
+            # there. Train through a plain frozen copy of the same weight.
+            weight = model.lm_head.weight.detach()
+            model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            model.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.model = model
         self.samples = samples
         self.config = config
