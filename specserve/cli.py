@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | serve | calibrate | profile | bench ...`."""
+"""Command line: `specserve generate | serve | calibrate | profile | data | train | bench ...`."""
 
 from __future__ import annotations
 
@@ -188,6 +188,88 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _data_regenerate(args: argparse.Namespace) -> int:
+    from specserve.train.data import code_prompts, read_prompts, regenerate
+
+    if bool(args.prompts) == bool(args.code_prompts):
+        raise SpecserveError("give one of --prompts FILE.jsonl or --code-prompts N")
+    llm = _llm_from(args)
+    prompts = read_prompts(args.prompts) if args.prompts else code_prompts(args.code_prompts, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    print(f"wrote {regenerate(llm, prompts, args.output, params, args.batch_size)}")
+    return 0
+
+
+def _data_target_cache(args: argparse.Namespace) -> int:
+    import json
+
+    from specserve.models.loader import load_model
+    from specserve.models.registry import text_config_of
+    from specserve.spec.deepspec.config import default_target_layer_ids
+    from specserve.train.target_cache import build_target_cache
+
+    target, hf_config, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        raise SpecserveError(f"{args.model} has no tokenizer: the chat template gives the loss masks")
+    num_layers = text_config_of(hf_config).num_hidden_layers
+    layer_ids = (
+        [int(x) for x in args.target_layer_ids.split(",")]
+        if args.target_layer_ids
+        else default_target_layer_ids(num_layers)
+    )
+    with open(args.data) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    conversations = [r["conversations"] for r in rows if r.get("status", "success") == "success"]
+    out = build_target_cache(
+        target,
+        tokenizer,
+        conversations,
+        layer_ids,
+        args.output,
+        args.model,
+        args.max_length,
+        args.min_loss_tokens,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    from specserve.train.run import train_drafter
+    from specserve.train.trainer import TrainConfig
+
+    config = TrainConfig(
+        total_steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_anchors=args.num_anchors,
+        seed=args.seed,
+    )
+    out = train_drafter(
+        args.model,
+        args.cache,
+        args.output,
+        args.method,
+        config,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        markov_rank=args.markov_rank,
+        mask_token_id=args.mask_token_id,
+        checkpoint_every=args.checkpoint_every,
+    )
+    spec = json.dumps({"method": args.method, "model": str(out)})
+    print(f"drafter in {out}; use it with --speculative-config '{spec}'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,6 +320,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats")
     srv.set_defaults(func=_serve)
+
+    data = sub.add_parser("data", help="drafter training data: regenerate answers, build the target cache")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    regen = data_sub.add_parser("regenerate", help="the target answers prompts (DeepSpec JSONL, resumable)")
+    _engine_args(regen)
+    regen.add_argument("--prompts", default=None, help="JSONL with 'turns' or 'conversations' rows")
+    regen.add_argument("--code-prompts", type=int, default=0, help="N prompts about local Python functions")
+    regen.add_argument("--output", required=True)
+    regen.add_argument("--max-tokens", type=int, default=512)
+    regen.add_argument("--temperature", type=float, default=0.7)
+    regen.add_argument("--top-p", type=float, default=0.8)
+    regen.add_argument("--top-k", type=int, default=20)
+    regen.add_argument("--batch-size", type=int, default=16)
+    regen.set_defaults(func=_data_regenerate)
+    tcache = data_sub.add_parser("target-cache", help="tokens, loss masks and target features, in shards")
+    tcache.add_argument("--model", default=DEFAULT_MODEL)
+    tcache.add_argument("--data", required=True, help="JSONL of conversations (from regenerate)")
+    tcache.add_argument("--output", required=True)
+    tcache.add_argument("--target-layer-ids", default=None, help="comma-separated; default: DFlash's rule")
+    tcache.add_argument("--max-length", type=int, default=4096)
+    tcache.add_argument("--min-loss-tokens", type=int, default=14)
+    tcache.set_defaults(func=_data_target_cache)
+
+    train = sub.add_parser("train", help="train a DSpark or DFlash drafter from a target cache")
+    train.add_argument("--model", default=DEFAULT_MODEL, help="the target")
+    train.add_argument("--cache", required=True, help="directory from `specserve data target-cache`")
+    train.add_argument("--output", required=True, help="drafter directory (resumes if it holds a state)")
+    train.add_argument("--method", choices=("dspark", "dflash"), default="dspark")
+    train.add_argument("--layers", type=int, default=1)
+    train.add_argument("--block-size", type=int, default=7)
+    train.add_argument("--markov-rank", type=int, default=256)
+    train.add_argument("--mask-token-id", type=int, default=None)
+    train.add_argument("--steps", type=int, required=True)
+    train.add_argument("--batch-size", type=int, default=4)
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--num-anchors", type=int, default=128)
+    train.add_argument("--checkpoint-every", type=int, default=200)
+    train.add_argument("--seed", type=int, default=42)
+    train.set_defaults(func=_train)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -281,3 +281,65 @@ def test_training_goes_through_a_packed_target_head(tiny_model_dir):
     assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, weight)
     trainer.step()
     assert model.norm.weight.grad is not None and model.norm.weight.grad.abs().sum() > 0
+
+
+def test_data_cache_train_pipeline_gives_a_drafter_the_engine_serves(tmp_path):
+    """regenerate -> target-cache -> train (through the CLI), then greedy speculation with the result."""
+    import json
+
+    from specserve import LLM, SamplingParams
+    from specserve.cli import main
+    from tests.tiny_models import save_tiny_chat_model
+
+    model = str(save_tiny_chat_model("qwen3", tmp_path / "target"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("hello there", "write code", "why?")))
+    data, cache, drafter = tmp_path / "data.jsonl", tmp_path / "cache", tmp_path / "drafter"
+    common = ["--model", model]
+    argv = [
+        "data",
+        "regenerate",
+        *common,
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(data),
+        "--max-tokens",
+        "24",
+    ]
+    assert main(argv) == 0
+    assert (
+        main(
+            [
+                "data",
+                "target-cache",
+                *common,
+                "--data",
+                str(data),
+                "--output",
+                str(cache),
+                "--min-loss-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    argv = [
+        "train",
+        *common,
+        "--cache",
+        str(cache),
+        "--output",
+        str(drafter),
+        "--steps",
+        "3",
+        "--block-size",
+        "3",
+    ]
+    assert main([*argv, "--mask-token-id", "3", "--num-anchors", "8", "--markov-rank", "8"]) == 0
+    assert len((drafter / "metrics.jsonl").read_text().splitlines()) == 3
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = LLM(model, max_model_len=128).generate(["abc"], params)[0].outputs[0].token_ids
+    llm = LLM(model, max_model_len=128, speculative_config={"method": "dspark", "model": str(drafter)})
+    assert llm.generate(["abc"], params)[0].outputs[0].token_ids == plain
+    assert llm.engine.spec_stats.num_drafts > 0

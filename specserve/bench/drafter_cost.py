@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.config import EngineConfig, SpecserveError
 from specserve.engine.engine import LLMEngine
 from specserve.engine.model_runner import PieceInput
 from specserve.layers.linear import pack_linears
 from specserve.spec.cost_model import fake_requests, time_draft_round
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
-from specserve.spec.deepspec.config import new_draft_config
+from specserve.spec.deepspec.config import default_mask_token, new_draft_config
 from specserve.spec.drafters.dspark import DSparkDrafter
 
 
@@ -48,11 +48,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def mask_token_for(engine: LLMEngine) -> int:
-    """First unused padded embedding row (Qwen's vocabulary is padded past its tokenizer)."""
-    if engine.tokenizer is not None and len(engine.tokenizer) < engine.vocab_size:
-        return len(engine.tokenizer)
-    return engine.vocab_size - 1
+def mask_token_or_last(engine: LLMEngine) -> int:
+    """Any id will do for timing; prefer the real choice."""
+    try:
+        return default_mask_token(engine.tokenizer, engine.vocab_size)
+    except SpecserveError:
+        return engine.vocab_size - 1
 
 
 def measure(
@@ -70,7 +71,7 @@ def measure(
             engine.model_config,
             num_layers=num_layers,
             block_size=block_size,
-            mask_token_id=mask_token_for(engine),
+            mask_token_id=mask_token_or_last(engine),
         )
         draft = build_draft_model(config)
         init_draft_weights(draft, engine.model)

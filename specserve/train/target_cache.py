@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,3 +154,42 @@ class TargetCache:
             problems.append(f"target {m.get('target_model_name_or_path')!r} != {target_model!r}")
         if problems:
             raise SpecserveError(f"{self.directory} does not match the drafter: " + "; ".join(problems))
+
+
+def build_target_cache(
+    target,
+    tokenizer,
+    conversations: list[list[dict]],
+    layer_ids: list[int],
+    directory: str | Path,
+    target_name: str,
+    max_length: int = 4096,
+    min_loss_tokens: int = 14,
+) -> Path:
+    """Tokenise conversations (loss masks from the chat template), run the target once per sample for
+    its features, and write the cache; prints the size estimate before it starts."""
+    from tqdm import tqdm
+
+    from specserve.train.data import tokenize_conversation
+    from specserve.train.forward import target_features
+
+    tokenized = [tokenize_conversation(tokenizer, c, max_length) for c in conversations]
+    kept = [(ids, mask) for ids, mask in tokenized if sum(mask) >= min_loss_tokens]
+    hidden = target.config.hidden_size
+    tokens = sum(len(ids) for ids, _ in kept)
+    size = tokens * bytes_per_token(hidden, len(layer_ids))
+    print(
+        f"target cache: {len(kept)} of {len(tokenized)} samples (>= {min_loss_tokens} loss tokens), "
+        f"{tokens} tokens, {size / 2**30:.2f} GiB",
+        flush=True,
+    )
+
+    def samples() -> Iterator[Sample]:
+        for ids, mask in tqdm(kept, desc="target features"):
+            features, last_hidden = target_features(target, ids, layer_ids)
+            yield Sample(torch.tensor(ids), torch.tensor(mask), features, last_hidden)
+
+    info = CacheInfo(
+        list(layer_ids), hidden, target_name, {"max_length": max_length, "min_loss_tokens": min_loss_tokens}
+    )
+    return write_target_cache(directory, samples(), info)

@@ -288,6 +288,13 @@ def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int
     return sorted({min(max(i, 0), last) for i in ids})
 
 
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The first embedding row past the tokenizer's ids (Qwen pads its vocabulary), as DeepSpec picks."""
+    if tokenizer is not None and len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    raise SpecserveError("no unused embedding row to use as the mask token: give mask_token_id")
+
+
 def draft_backbone(target_config, num_layers: int) -> tuple[str, transformers.PretrainedConfig]:
     """(family, backbone config) of a new drafter: the target's dimensions, `num_layers` global layers."""
     family = FAMILY_OF_TARGET.get(target_config.model_type)
