@@ -1,4 +1,4 @@
-"""Command line: `specserve generate | serve | calibrate | profile | data | train | bench ...`."""
+"""Command line: `specserve generate | serve | calibrate | profile | data | train | eval | bench ...`."""
 
 from __future__ import annotations
 
@@ -270,6 +270,35 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import gc
+    from pathlib import Path
+
+    from specserve.bench.acceptance import evaluate, format_table, save_results
+    from specserve.llm import LLM
+
+    drafters = []
+    for item in args.drafter:
+        name, sep, config = item.partition("=")
+        if not sep:
+            raise SpecserveError(f"--drafter takes NAME=JSON, got {item!r}")
+        drafters.append((name, config))
+    files = [Path(f) for f in args.datasets.split(",")]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    results = []
+    for name, config in drafters:
+        llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=config, seed=args.seed)
+        for path in files:
+            prompts = _prompts_from(str(path), args.num_prompts)
+            results.append(evaluate(llm, name, path.stem, prompts, params))
+            print(f"{name} {path.stem}: tau {results[-1].tau:.2f}", flush=True)
+        del llm
+        gc.collect()
+    print(format_table(results))
+    print(f"wrote {save_results(results, args.output)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -359,6 +388,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)
     train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="acceptance (tau, per position, calibration) of drafters on eval sets")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="the target")
+    ev.add_argument("--drafter", action="append", required=True, help="NAME=JSON speculative config (repeat)")
+    ev.add_argument("--datasets", required=True, help="comma-separated DeepSpec eval .jsonl files")
+    ev.add_argument("--num-prompts", type=int, default=20, help="per dataset")
+    ev.add_argument("--max-tokens", type=int, default=256)
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--max-model-len", type=int, default=None)
+    ev.add_argument("--seed", type=int, default=980406)
+    ev.add_argument("--output", default="eval-results")
+    ev.set_defaults(func=_eval)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -343,3 +343,30 @@ def test_data_cache_train_pipeline_gives_a_drafter_the_engine_serves(tmp_path):
     llm = LLM(model, max_model_len=128, speculative_config={"method": "dspark", "model": str(drafter)})
     assert llm.generate(["abc"], params)[0].outputs[0].token_ids == plain
     assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_eval_reports_tau_survival_and_calibration_per_dataset(tmp_path):
+    import json
+
+    from specserve.cli import main
+    from tests.tiny_models import save_tiny_chat_model, save_tiny_drafter
+
+    model = save_tiny_chat_model("qwen3", tmp_path / "target")
+    drafter = save_tiny_drafter(model, tmp_path / "drafter", std=0.2)
+    for name in ("alpha", "beta"):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "\n".join(json.dumps({"turns": [f"{name} {i}"]}) for i in range(3))
+        )
+    datasets = ",".join(str(tmp_path / f"{n}.jsonl") for n in ("alpha", "beta"))
+    dspark = json.dumps({"method": "dspark", "model": str(drafter)})
+    ngram = json.dumps({"method": "ngram", "prompt_lookup_min": 1})
+    argv = ["eval", "--model", str(model), "--drafter", f"dspark={dspark}", "--drafter", f"ngram={ngram}"]
+    assert main([*argv, "--datasets", datasets, "--max-tokens", "24", "--output", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "acceptance.json").read_text())
+    assert [(r["drafter"], r["dataset"]) for r in results] == [
+        ("dspark", "alpha"), ("dspark", "beta"), ("ngram", "alpha"), ("ngram", "beta")
+    ]  # fmt: skip
+    for r in results:
+        assert r["tau"] >= 1 and all(0 <= s <= 1 for s in r["prefix_survival"])
+    assert len(results[0]["ece"]) == 4 and results[2]["ece"] == []  # only DSpark has a confidence head
+    assert (tmp_path / "out" / "acceptance.png").is_file()
