@@ -75,6 +75,10 @@ class LLMEngine:
         num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
             self.model, config.block_size, config.torch_dtype
         )
+        # Never more than the running batch can fill: every sequence at max_model_len (plus a block of
+        # verification slack). The cache is allocated (and zeroed) up front, so this saves real memory.
+        per_sequence = -(-self.max_model_len // config.block_size) + 1
+        num_blocks = min(num_blocks, config.max_num_seqs * per_sequence)
         if num_blocks * config.block_size < self.max_model_len:
             raise SpecserveError(
                 f"kv_cache_memory={config.kv_cache_memory!r} holds {num_blocks * config.block_size} tokens, "
