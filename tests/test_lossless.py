@@ -19,7 +19,8 @@ from tests.tiny_models import save_tiny_drafter
 
 V = 16
 PROMPT = [3, 7, 1, 12, 5]
-NUM_SAMPLES = 20_000
+NUM_SAMPLES = 20_000  # the reference cases and the power check
+DRAFTER_SAMPLES = 8_000  # each further drafter: a wrong q row (a missing Markov bias...) biases far more
 
 
 def make_model(directory, seed: int, logit_scale: float):
@@ -133,20 +134,22 @@ def exact_joint(reference, params: SamplingParams, length: int) -> dict[tuple[in
 GREEDY_PROMPTS = [[1, 2, 3], [9, 9, 4, 0, 11, 2, 5, 6], [14]]
 
 
-def sampled_joint(target_dir: str, spec: dict, params: SamplingParams, length: int) -> dict:
+def sampled_joint(
+    target_dir: str, spec: dict, params: SamplingParams, length: int, num_samples: int = NUM_SAMPLES
+) -> dict:
     llm = LLM(
         target_dir, max_model_len=64, max_num_seqs=1024, max_num_batched_tokens=8192, speculative_config=spec
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Greedy requests on other prompts ride in the same batches and must come out as plain greedy does.
-    mixed = GREEDY_PROMPTS * 20 + [PROMPT] * NUM_SAMPLES
-    outs = llm.generate(mixed, [greedy] * (len(mixed) - NUM_SAMPLES) + [params] * NUM_SAMPLES)
+    mixed = GREEDY_PROMPTS * 20 + [PROMPT] * num_samples
+    outs = llm.generate(mixed, [greedy] * (len(mixed) - num_samples) + [params] * num_samples)
     plain = LLM(target_dir, max_model_len=64).generate(GREEDY_PROMPTS, greedy)
     assert [o.outputs[0].token_ids for o in outs[: len(GREEDY_PROMPTS)]] == [
         o.outputs[0].token_ids for o in plain
     ]
     counts: dict[tuple[int, ...], int] = {}
-    for o in outs[len(mixed) - NUM_SAMPLES :]:
+    for o in outs[len(mixed) - num_samples :]:
         key = tuple(o.outputs[0].token_ids[:length])
         counts[key] = counts.get(key, 0) + 1
     stats_ = llm.engine.spec_stats
@@ -154,7 +157,7 @@ def sampled_joint(target_dir: str, spec: dict, params: SamplingParams, length: i
         assert len({sum(r.budgets) / len(r.budgets) for r in llm.engine.step_log}) > 3
     assert len(stats_.accepted_per_position) == 3  # drafts at positions 1..3 were verified
     assert 0.05 < stats_.acceptance_rate < 0.9, stats_  # the drafter is poor, not useless
-    assert min(stats_.accepted_per_position) >= 50, stats_  # and every position accepts sometimes
+    assert min(stats_.accepted_per_position) >= 20, stats_  # and every position accepts sometimes
     return counts
 
 
@@ -205,8 +208,9 @@ def test_speculative_sampling_matches_the_target_distribution(drafter, case, mod
     reference, target_dir, _, _ = models
     params = CASES[case]
     exact = exact_joint(reference, params, 3)
-    counts = sampled_joint(target_dir, drafters[drafter], params, 3)
-    assert chi_square_pvalue(counts, exact, NUM_SAMPLES) > 0.001
+    n = NUM_SAMPLES if drafter == "draft_model" else DRAFTER_SAMPLES
+    counts = sampled_joint(target_dir, drafters[drafter], params, 3, n)
+    assert chi_square_pvalue(counts, exact, n) > 0.001
 
 
 def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):
