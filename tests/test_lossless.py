@@ -156,7 +156,7 @@ def sampled_joint(
     if spec.get("verify_policy", "fixed") != "fixed":  # the planner chose different lengths
         assert len({sum(r.budgets) / len(r.budgets) for r in llm.engine.step_log}) > 3
     assert len(stats_.accepted_per_position) == 3  # drafts at positions 1..3 were verified
-    assert 0.05 < stats_.acceptance_rate < 0.9, stats_  # the drafter is poor, not useless
+    assert 0.05 < stats_.acceptance_rate < 0.95, stats_  # the drafter is poor, not useless
     assert min(stats_.accepted_per_position) >= 20, stats_  # and every position accepts sometimes
     return counts
 
