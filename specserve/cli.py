@@ -123,6 +123,55 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from specserve.bench.serve.benchmark import BenchSettings, benchmark_server
+    from specserve.bench.serve.metrics import Sla
+
+    settings = BenchSettings.from_options(
+        args.preset,
+        dataset=args.dataset,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        concurrency=args.concurrency,
+        sla=Sla.parse(args.sla),
+        temperature=args.temperature,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+    )
+    asyncio.run(
+        benchmark_server(
+            args.base_url,
+            settings,
+            Path(args.output),
+            label=args.label or args.base_url,
+            api_key=args.api_key,
+            tokenizer=args.tokenizer,
+        )
+    )
+    print(f"results appended to {args.output}")
+    return 0
+
+
+def _bench_sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specserve.bench.serve.sweep import load_sweep_config, run_sweep
+
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    return run_sweep(load_sweep_config(Path(args.config), output_dir), report_only=args.report_only)
+
+
 def _prompts_from(files: str, limit: int) -> list[str]:
     from pathlib import Path
 
@@ -427,6 +476,38 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--context", type=int, default=512)
     cost.add_argument("--repeats", type=int, default=7)
     cost.set_defaults(func=_bench_drafter)
+    bsrv = bench_sub.add_parser(
+        "serve", help="serving benchmark against a running server: fixed concurrency, TTFT/TPOT/ITL, goodput"
+    )
+    bsrv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bsrv.add_argument(
+        "--preset",
+        default=None,
+        help="seed-8k1k: 8192 random input / 1024 output tokens; cpu-small: 512 / 64",
+    )
+    bsrv.add_argument("--dataset", default=None, help="random (default), eval:FILE or jsonl:FILE")
+    bsrv.add_argument("--input-len", type=int, default=None, help="random prompts (default 512)")
+    bsrv.add_argument("--output-len", type=int, default=None, help="default 64")
+    bsrv.add_argument(
+        "--num-prompts", type=int, default=None, help="per level (default max(8, 4 x concurrency))"
+    )
+    bsrv.add_argument("--concurrency", type=_int_list, default=[1], help="comma-separated, e.g. 1,2,4,8")
+    bsrv.add_argument("--sla", default=None, help="goodput bounds in ms, e.g. tpot:100,ttft:2000")
+    bsrv.add_argument("--temperature", type=float, default=None, help="default 0 (greedy)")
+    bsrv.add_argument("--seed", type=int, default=None, help="random prompts' seed")
+    bsrv.add_argument("--tokenizer", default=None, help="model name or dir (default: the served model)")
+    bsrv.add_argument("--api-key", default=None)
+    bsrv.add_argument("--label", default=None, help="the results' name (default: the base URL)")
+    bsrv.add_argument("--request-timeout", type=float, default=None, help="longest silence of a stream, s")
+    bsrv.add_argument("--output", default="bench-serve.jsonl", help="JSON lines, appended per level")
+    bsrv.set_defaults(func=_bench_serve)
+    swp = bench_sub.add_parser(
+        "sweep", help="start servers from a YAML config, sweep concurrency, plot the Pareto frontier"
+    )
+    swp.add_argument("--config", required=True, help="e.g. benchmarks/sweep-cpu-small.yaml")
+    swp.add_argument("--output-dir", default=None, help="overrides the config's output_dir")
+    swp.add_argument("--report-only", action="store_true", help="redraw the report from results.jsonl")
+    swp.set_defaults(func=_bench_sweep)
     return parser
 
 
