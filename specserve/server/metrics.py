@@ -145,19 +145,23 @@ class _EngineCollector(Collector):
             "Draft tokens accepted",
             value=spec.num_accepted_tokens,
         )
-        per_position = CounterMetricFamily(
+        yield _per_position(
+            CounterMetricFamily,
             "specserve:spec_decode_num_accepted_tokens_per_pos",
             "Rounds accepting the draft token at each position (0 = first draft token)",
-            labels=["position"],
+            spec.accepted_per_position,
         )
-        for position, count in enumerate(spec.accepted_per_position):
-            per_position.add_metric([str(position)], count)
-        yield per_position
-        ece = GaugeMetricFamily(
+        yield _per_position(
+            GaugeMetricFamily,
             "specserve:spec_decode_calibration_ece",
             "Live ECE of the predicted draft survival at each position (drafters with a confidence head)",
-            labels=["position"],
+            snap.calibration_ece,
         )
-        for position, value in enumerate(snap.calibration_ece):
-            ece.add_metric([str(position)], value)
-        yield ece
+
+
+def _per_position(family, name: str, documentation: str, values: list) -> Metric:
+    """One sample per draft position (label `position`, 0 = the first draft token)."""
+    metric = family(name, documentation, labels=["position"])
+    for position, value in enumerate(values):
+        metric.add_metric([str(position)], value)
+    return metric
