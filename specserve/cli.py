@@ -81,7 +81,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         model=args.model,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        batch_sizes=_int_list(args.batch_sizes),
         compare_transformers=not args.no_transformers,
     )
     return 0
@@ -98,7 +98,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
         prompt_files=[Path(p) for p in args.prompts.split(",")],
         num_prompts=args.num_prompts,
         new_tokens=args.new_tokens,
-        ks=[int(k) for k in args.ks.split(",")],
+        ks=_int_list(args.ks),
         compare_transformers=not args.no_transformers,
     )
     return 0
@@ -114,8 +114,8 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     print(HEADER)
     measure(
         args.model,
-        [int(x) for x in args.layers.split(",")],
-        [int(x) for x in args.batch_sizes.split(",")],
+        _int_list(args.layers),
+        _int_list(args.batch_sizes),
         args.block_size,
         args.context,
         args.repeats,
@@ -268,9 +268,7 @@ def _data_target_cache(args: argparse.Namespace) -> int:
         raise SpecserveError(f"{args.model} has no tokenizer: the chat template gives the loss masks")
     num_layers = text_config_of(hf_config).num_hidden_layers
     layer_ids = (
-        [int(x) for x in args.target_layer_ids.split(",")]
-        if args.target_layer_ids
-        else default_target_layer_ids(num_layers)
+        _int_list(args.target_layer_ids) if args.target_layer_ids else default_target_layer_ids(num_layers)
     )
     with open(args.data) as f:
         rows = [json.loads(line) for line in f if line.strip()]

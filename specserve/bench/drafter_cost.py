@@ -19,7 +19,7 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.engine.engine import LLMEngine
 from specserve.engine.model_runner import PieceInput
 from specserve.layers.linear import pack_linears
-from specserve.spec.cost_model import fake_requests, time_draft_round
+from specserve.spec.cost_model import fake_requests, prime_drafter, time_draft_round
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
 from specserve.spec.deepspec.config import default_mask_token, new_draft_config
 from specserve.spec.drafters.dspark import DSparkDrafter
@@ -91,9 +91,7 @@ def measure_round(
     """Median ms of a drafting round, its verification forward, and a plain decode step."""
     block_size = drafter.block_size
     seqs = fake_requests(num_requests, context, engine.vocab_size)
-    for seq in seqs:  # the prompt's context rows, projected by the first (untimed) round
-        drafter.observe(seq, 0, torch.randn(context - 1, drafter.model.fc.in_features))
-    drafter.propose(seqs, block_size)
+    prime_drafter(drafter, seqs, block_size)
     # Target pieces: each request its own blocks, its context "cached" (the values do not matter).
     per_request = -(-(context + block_size + 1) // engine.config.block_size)
     tables = [list(range(r * per_request, (r + 1) * per_request)) for r in range(num_requests)]

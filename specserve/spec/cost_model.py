@@ -144,6 +144,15 @@ def fake_requests(num_requests: int, context: int, vocab_size: int) -> list:
     ]
 
 
+def prime_drafter(drafter, seqs: list, num_tokens: int) -> None:
+    """Hand a drafter its requests' prompts (random target features for hidden-state drafters) and run
+    the first, untimed round, which also processes those prompts."""
+    if drafter.capture_layers:
+        for seq in seqs:
+            drafter.observe(seq, 0, torch.randn(seq.num_tokens - 1, drafter.model.fc.in_features))
+    drafter.propose(seqs, num_tokens)
+
+
 def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
     """Seconds of one drafting round after each request gained ACCEPTED_PER_ROUND tokens (hidden-state
     drafters get random target features for them: their cost does not depend on the values)."""
@@ -186,10 +195,7 @@ def profile_engine(engine, num_tokens: int, repeats: int = 3) -> CostProfile:
             seqs = fake_requests(r, context, engine.vocab_size)
             drafter = engine.drafter
             k = engine.spec_config.num_speculative_tokens or drafter.default_num_tokens
-            if drafter.capture_layers:
-                for seq in seqs:
-                    drafter.observe(seq, 0, torch.randn(context - 1, drafter.model.fc.in_features))
-            drafter.propose(seqs, k)
+            prime_drafter(drafter, seqs, k)
             draft_s.append(sorted(time_draft_round(drafter, seqs, k) for _ in range(repeats))[repeats // 2])
             for seq in seqs:
                 drafter.release(seq)
