@@ -91,8 +91,9 @@ class DSparkPlanner(VerifyPlanner):
         self.profile = profile
 
     def plan(self, proposals, base_tokens):
-        lengths = greedy_admission([survival(p) for p in proposals], base_tokens, self.profile)
-        return Plan(lengths, _expected(proposals, lengths))
+        survivals = [survival(p) for p in proposals]
+        lengths = greedy_admission(survivals, base_tokens, self.profile)
+        return Plan(lengths, _expected(proposals, lengths, survivals))
 
 
 class AsyncDSparkPlanner(VerifyPlanner):
@@ -112,11 +113,13 @@ class AsyncDSparkPlanner(VerifyPlanner):
         else:  # no history yet: the causal planner on this step's confidences
             lengths = greedy_admission(survivals, base_tokens, self.profile)
         self.history.append((survivals, base_tokens))
-        return Plan(lengths, _expected(proposals, lengths))
+        return Plan(lengths, _expected(proposals, lengths, survivals))
 
 
-def _expected(proposals: list[DraftProposal], lengths: list[int]) -> float:
-    return sum(float(survival(p)[:n].sum()) for p, n in zip(proposals, lengths) if n)
+def _expected(proposals: list[DraftProposal], lengths: list[int], survivals=None) -> float:
+    """Predicted accepted drafts of a plan (the sum of the verified drafts' survival)."""
+    survivals = survivals or [survival(p) if n else None for p, n in zip(proposals, lengths)]
+    return sum(float(s[:n].sum()) for s, n in zip(survivals, lengths) if n)
 
 
 def build_planner(config: SpeculativeConfig, profile: CostProfile | None) -> VerifyPlanner:
