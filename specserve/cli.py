@@ -90,16 +90,15 @@ def _bench_decode(args: argparse.Namespace) -> int:
 def _bench_spec(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specserve.bench.spec_decode import run_spec_benchmark
+    from specserve.bench.spec_decode import default_configs, run_spec_benchmark
 
     run_spec_benchmark(
         target=args.model,
-        draft=args.draft_model,
         prompt_files=[Path(p) for p in args.prompts.split(",")],
         num_prompts=args.num_prompts,
         new_tokens=args.new_tokens,
-        ks=_int_list(args.ks),
-        compare_transformers=not args.no_transformers,
+        configs=_named_configs(args.drafter) or default_configs(args.draft_model, _int_list(args.ks)),
+        assistant=None if args.no_transformers else args.draft_model,
     )
     return 0
 
@@ -170,6 +169,17 @@ def _bench_sweep(args: argparse.Namespace) -> int:
 
     output_dir = Path(args.output_dir) if args.output_dir else None
     return run_sweep(load_sweep_config(Path(args.config), output_dir), report_only=args.report_only)
+
+
+def _named_configs(items: list[str]) -> list[tuple[str, str]]:
+    """`--drafter NAME=JSON` values -> (name, speculative config JSON)."""
+    configs = []
+    for item in items:
+        name, sep, config = item.partition("=")
+        if not sep:
+            raise SpecserveError(f"--drafter takes NAME=JSON, got {item!r}")
+        configs.append((name, config))
+    return configs
 
 
 def _prompts_from(files: str, limit: int) -> list[str]:
@@ -324,12 +334,7 @@ def _eval(args: argparse.Namespace) -> int:
     from specserve.bench.acceptance import evaluate, format_table, save_results
     from specserve.llm import LLM
 
-    drafters = []
-    for item in args.drafter:
-        name, sep, config = item.partition("=")
-        if not sep:
-            raise SpecserveError(f"--drafter takes NAME=JSON, got {item!r}")
-        drafters.append((name, config))
+    drafters = _named_configs(args.drafter)
     files = [Path(f) for f in args.datasets.split(",")]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     results = []
@@ -464,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--num-prompts", type=int, default=10, help="per file")
     spec.add_argument("--new-tokens", type=int, default=128)
     spec.add_argument("--ks", default="3,5,8", help="num_speculative_tokens values")
+    spec.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        help="NAME=JSON speculative config (repeat); replaces the ngram and draft_model grid over --ks",
+    )
     spec.add_argument("--no-transformers", action="store_true")
     spec.set_defaults(func=_bench_spec)
     cost = bench_sub.add_parser("drafter", help="DSpark drafting round cost against target verification")

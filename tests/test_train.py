@@ -263,6 +263,16 @@ def test_regenerate_writes_deepspec_rows_and_resumes(tmp_path):
     regenerate(llm, ["first", "second", "third"], out, params)  # resumes: only the new prompt runs
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1, 2]
     assert read_prompts(out) == ["first", "second", "third"]
+    # Two in flight, each finished place refilled at once: every row still holds its own prompt's answer.
+    prompts = ["a", "a much longer prompt", "b", "and a third one", "c"]
+    batched = tmp_path / "batched.jsonl"
+    regenerate(llm, prompts, batched, params, batch_size=2)
+    rows = [json.loads(line) for line in batched.read_text().splitlines()]
+    expected = llm.chat([[{"role": "user", "content": t}] for t in prompts], params)
+    assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
+    for r in rows:
+        assert r["conversations"][0]["content"] == prompts[r["id"]]
+        assert r["conversations"][1]["content"] == expected[r["id"]].outputs[0].text
 
 
 def test_training_goes_through_a_packed_target_head(tiny_model_dir):

@@ -3,7 +3,8 @@ and tau per configuration, beside transformers' assisted and prompt-lookup gener
 speedup the measured costs allow.
 
 ideal = tau * T(1) / (T_draft + T(k + 1)), with T(q) one target forward over q tokens at the prompts' context
-length and T_draft the measured drafting time per round. All figures come from one run.
+length, T_draft the measured drafting time per round and k the draft tokens verified per round. All figures
+come from one run.
 """
 
 from __future__ import annotations
@@ -36,11 +37,19 @@ class RunResult:
     seconds: float
     tau: float | None = None
     draft_s_per_round: float | None = None
-    k: int | None = None
+    k: int | None = None  # draft tokens verified per round (mean, rounded)
+    t_forward: dict[int, float] | None = None  # T(q) seconds for q = 1 and k + 1, on this run's engine
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def ideal_speedup(self) -> float | None:
+        """tau T(1) / (T_draft + T(k + 1)): the speedup if nothing but drafting and verifying cost time."""
+        if self.t_forward is None:
+            return None
+        return self.tau * self.t_forward[1] / (self.draft_s_per_round + self.t_forward[self.k + 1])
 
 
 def forward_time(llm: LLM, context: int, q: int, repeats: int = 5) -> float:
@@ -61,30 +70,34 @@ def forward_time(llm: LLM, context: int, q: int, repeats: int = 5) -> float:
         engine.block_manager.free(seq)
 
 
-def run_specserve(
-    name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: int, k: int | None
-) -> RunResult:
+def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: int) -> RunResult:
+    from tqdm import tqdm
+
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     stats = llm.engine.spec_stats
-    before = (stats.num_drafts, stats.num_accepted_tokens, stats.drafting_s)
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_emitted_tokens, stats.drafting_s)
     tokens, seconds = 0, 0.0
-    for ids in prompt_ids:
+    for ids in tqdm(prompt_ids, desc=name, leave=False):
         out = llm.generate([{"prompt_token_ids": ids}], params)[0]
         # Decode only: the prefill costs the same with or without speculation.
         seconds += out.metrics.finish_time - out.metrics.first_token_time
         tokens += len(out.outputs[0].token_ids) - 1
-    result = RunResult(name, tokens, seconds, k=k)
+    result = RunResult(name, tokens, seconds)
     rounds = stats.num_drafts - before[0]
     if llm.engine.drafter is not None and rounds:
-        result.tau = 1 + (stats.num_accepted_tokens - before[1]) / rounds
-        result.draft_s_per_round = (stats.drafting_s - before[2]) / rounds
+        result.tau = (stats.num_emitted_tokens - before[2]) / rounds
+        result.draft_s_per_round = (stats.drafting_s - before[3]) / rounds
+        # verified drafts per round: a scheduled verify policy checks fewer than k
+        result.k = round((stats.num_draft_tokens - before[1]) / rounds)
     return result
 
 
 def run_transformers(name: str, model, prompt_ids: list[list[int]], new_tokens: int, **kwargs) -> RunResult:
+    from tqdm import tqdm
+
     tokens, seconds = 0, 0.0
-    for ids in prompt_ids:
+    for ids in tqdm(prompt_ids, desc=name, leave=False):
         x = torch.tensor([ids])
         timings = []
         for n in (1, new_tokens):  # the first call times the prefill, subtracted to leave decode only
@@ -99,16 +112,27 @@ def run_transformers(name: str, model, prompt_ids: list[list[int]], new_tokens: 
     return RunResult(name, tokens, seconds)
 
 
+def default_configs(draft: str, ks: list[int]) -> list[tuple[str, dict]]:
+    """ngram and draft_model at each k: what works without a trained drafter."""
+    return [
+        (f"specserve {method} k={k}", {"method": method, "num_speculative_tokens": k, **extra})
+        for method, extra in (("ngram", {}), ("draft_model", {"model": draft}))
+        for k in ks
+    ]
+
+
 def run_spec_benchmark(
     target: str,
-    draft: str,
     prompt_files: list[Path],
     num_prompts: int,
     new_tokens: int,
-    ks: list[int],
-    compare_transformers: bool = True,
+    configs: list[tuple[str, dict | str]],
+    assistant: str | None = None,
 ) -> list[dict]:
-    base = LLM(target, max_model_len=4096)
+    """No speculation, then each (name, speculative config), then transformers plain, assisted by
+    `assistant` and prompt-lookup (when `assistant` is given). Each row's T(1) and T(k + 1) are timed on
+    its own engine right after its run."""
+    base = LLM(target)
     tok = base.tokenizer
     prompt_ids = [
         base.apply_chat_template([{"role": "user", "content": p}])
@@ -116,69 +140,58 @@ def run_spec_benchmark(
         for p in load_eval_prompts(f, num_prompts)
     ]
     context = sum(len(p) for p in prompt_ids) // len(prompt_ids) + new_tokens // 2
-    t_fwd = {q: forward_time(base, context, q) for q in sorted({1} | {k + 1 for k in ks})}
-    print(
-        f"{len(prompt_ids)} prompts, {new_tokens} new tokens, context ~{context}; T(q) ms: "
-        + ", ".join(f"{q}: {1e3 * t:.0f}" for q, t in t_fwd.items()),
-        flush=True,
-    )
-    results = [run_specserve("specserve none", base, prompt_ids, new_tokens, None)]
+    print(f"{len(prompt_ids)} prompts, {new_tokens} new tokens, context ~{context}", flush=True)
+    results = [run_specserve("specserve none", base, prompt_ids, new_tokens)]
+    print(_row(results[0], results[0]), flush=True)
     del base
-    gc.collect()  # one 1.5B target in memory at a time
-    for method in ("ngram", "draft_model"):
-        for k in ks:
-            spec = {"method": method, "num_speculative_tokens": k}
-            if method == "draft_model":
-                spec["model"] = draft
-            llm = LLM(target, max_model_len=4096, speculative_config=spec)
-            results.append(run_specserve(f"specserve {method} k={k}", llm, prompt_ids, new_tokens, k))
-            print(_row(results[0], results[-1], t_fwd), flush=True)
-            del llm
-            gc.collect()
-    if compare_transformers:
+    gc.collect()  # one target in memory at a time
+    for name, spec in configs:
+        llm = LLM(target, speculative_config=spec)
+        r = run_specserve(name, llm, prompt_ids, new_tokens)
+        if r.k is not None:
+            r.t_forward = {q: forward_time(llm, context, q) for q in (1, r.k + 1)}
+        results.append(r)
+        print(_row(results[0], r), flush=True)
+        del llm
+        gc.collect()
+    if assistant is not None:
         from transformers import AutoModelForCausalLM
 
         from specserve.models.loader import resolve_model
 
         ref = AutoModelForCausalLM.from_pretrained(resolve_model(target), dtype=torch.float32).eval()
-        assistant = AutoModelForCausalLM.from_pretrained(resolve_model(draft), dtype=torch.float32).eval()
+        helper = AutoModelForCausalLM.from_pretrained(resolve_model(assistant), dtype=torch.float32).eval()
         pad = {"pad_token_id": tok.pad_token_id or 0}
-        results.append(run_transformers("transformers plain", ref, prompt_ids, new_tokens, **pad))
-        results.append(
-            run_transformers(
-                "transformers assisted", ref, prompt_ids, new_tokens, assistant_model=assistant, **pad
-            )
-        )
-        results.append(
-            run_transformers(
-                "transformers prompt-lookup", ref, prompt_ids, new_tokens, prompt_lookup_num_tokens=4, **pad
-            )
-        )
-        for r in results[-3:]:
-            print(_row(results[0], r, t_fwd), flush=True)
+        for name, kwargs in (
+            ("transformers plain", {}),
+            ("transformers assisted", {"assistant_model": helper}),
+            ("transformers prompt-lookup", {"prompt_lookup_num_tokens": 4}),
+        ):
+            results.append(run_transformers(name, ref, prompt_ids, new_tokens, **kwargs, **pad))
+            print(_row(results[0], results[-1]), flush=True)
     rows = [
         {
             "name": r.name,
             "tokens_per_s": r.tokens_per_s,
             "speedup": r.tokens_per_s / results[0].tokens_per_s,
             "tau": r.tau,
-            "ideal_speedup": _ideal(r, t_fwd),
+            "verified_per_round": r.k,
+            "draft_ms_per_round": None if r.draft_s_per_round is None else 1e3 * r.draft_s_per_round,
+            "t_forward_ms": {q: 1e3 * t for q, t in (r.t_forward or {}).items()},
+            "ideal_speedup": r.ideal_speedup,
         }
         for r in results
     ]
-    print(json.dumps({"forward_s": t_fwd, "rows": rows}))
+    print(json.dumps({"context": context, "rows": rows}))
     return rows
 
 
-def _ideal(r: RunResult, t_fwd: dict[int, float]) -> float | None:
-    if r.tau is None or r.k is None:
-        return None
-    return r.tau * t_fwd[1] / (r.draft_s_per_round + t_fwd[r.k + 1])
-
-
-def _row(base: RunResult, r: RunResult, t_fwd: dict[int, float]) -> str:
+def _row(base: RunResult, r: RunResult) -> str:
     line = f"{r.name:30s} {r.tokens_per_s:6.2f} tok/s  x{r.tokens_per_s / base.tokens_per_s:4.2f}"
-    if r.tau is not None:
-        ideal = _ideal(r, t_fwd)
-        line += f"  tau {r.tau:4.2f}  draft {1e3 * r.draft_s_per_round:5.0f} ms/round  ideal x{ideal:4.2f}"
+    if r.ideal_speedup is not None:
+        t1, tk = (1e3 * r.t_forward[q] for q in (1, r.k + 1))
+        line += (
+            f"  tau {r.tau:4.2f}  k {r.k}  draft {1e3 * r.draft_s_per_round:5.0f} ms/round"
+            f"  T(1) {t1:4.0f} ms  T(k+1) {tk:4.0f} ms  ideal x{r.ideal_speedup:4.2f}"
+        )
     return line

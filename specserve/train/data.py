@@ -140,22 +140,39 @@ def read_prompts(path: str | Path) -> list[str]:
 def regenerate(
     llm, prompts: list[str], output: str | Path, params: SamplingParams, batch_size: int = 16
 ) -> Path:
-    """The target's answers to `prompts`, appended to `output` as DeepSpec rows; rows already there (by id)
-    are skipped, so an interrupted run resumes."""
+    """The target's answers to `prompts`, appended to `output` as DeepSpec rows as each one finishes.
+
+    Up to `batch_size` requests are in flight and a finished one's place is refilled at once (continuous
+    batching: a long answer never holds a whole batch back). Rows already in `output` (by id) are
+    skipped, so an interrupted run resumes; answers come in completion order, each row carries its id.
+    """
     from tqdm import tqdm
 
     output = Path(output)
     done = set()
     if output.exists():
         done = {json.loads(line)["id"] for line in output.read_text().splitlines() if line.strip()}
-    todo = [i for i in range(len(prompts)) if i not in done]
+    todo = iter([i for i in range(len(prompts)) if i not in done])
+    engine = llm.engine
+    running = {}  # request id -> (prompt index, messages)
+
+    def admit() -> None:
+        while len(running) < batch_size and (i := next(todo, None)) is not None:
+            messages = [{"role": "user", "content": prompts[i]}]
+            seq = engine.make_sequence({"prompt_token_ids": llm.apply_chat_template(messages)}, params)
+            engine.add_sequence(seq)
+            running[seq.request_id] = (i, messages)
+
     with open(output, "a") as out, tqdm(total=len(prompts), initial=len(done), desc="regenerating") as bar:
-        for start in range(0, len(todo), batch_size):
-            ids = todo[start : start + batch_size]
-            messages = [[{"role": "user", "content": prompts[i]}] for i in ids]
-            for i, m, result in zip(ids, messages, llm.chat(messages, params)):
-                reply = {"role": "assistant", "content": result.outputs[0].text}
-                out.write(json.dumps({"id": i, "conversations": [*m, reply], "status": "success"}) + "\n")
-            out.flush()
-            bar.update(len(ids))
+        admit()
+        while running:
+            for update in engine.step():
+                if update.finished:
+                    i, messages = running.pop(update.request_id)
+                    reply = {"role": "assistant", "content": update.outputs[0].text}
+                    row = {"id": i, "conversations": [*messages, reply], "status": "success"}
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    bar.update(1)
+            admit()
     return output

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Train, calibrate and evaluate DSpark and DFlash drafters for a local Qwen2.5-Coder target on this CPU,
+# beside draft_model and ngram (issue 6). Every stage resumes where it stopped: rerun after an interruption.
+# Weights and data go to $WORK, outside git.
+#
+#   recipes/local-drafters.sh                 # everything (several CPU hours on 2 cores)
+#   STAGES="data cache" recipes/local-drafters.sh
+#
+# Stages: data (the target answers code prompts), cache (target features), train (dspark, dflash and, with
+# SMALL_BUDGET, a dspark on a quarter of the data to show how tau grows with data), calibrate (STS),
+# eval (tau per dataset, per position, calibration), bench (batch-1 tokens/s and ideal speedup).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SPECSERVE=${SPECSERVE:-.venv/bin/specserve}
+TARGET=${TARGET:-qwen2.5-coder-1.5b}
+DRAFT_MODEL=${DRAFT_MODEL:-qwen2.5-coder-0.5b}
+WORK=${WORK:-$HOME/.cache/specserve/drafters/$TARGET}
+EVAL=${EVAL:-../shared/data/eval}
+PROMPTS=${PROMPTS:-480}            # code prompts the target answers; the last HELD_OUT calibrate
+HELD_OUT=${HELD_OUT:-32}
+MAX_TOKENS=${MAX_TOKENS:-256}
+IN_FLIGHT=${IN_FLIGHT:-32}         # requests generated together
+STEPS=${STEPS:-400}                # optimizer steps of BATCH sequences (the quarter-data drafter: STEPS / 4)
+BATCH=${BATCH:-4}
+ANCHORS=${ANCHORS:-32}             # blocks per sequence and step
+LAYERS=${LAYERS:-1}
+BLOCK=${BLOCK:-7}
+MARKOV_RANK=${MARKOV_RANK:-64}     # W2 [V, r] is read once per drafted token: r = 256 costs ~7 ms a slot here
+SMALL_BUDGET=${SMALL_BUDGET:-1}
+EVAL_PROMPTS=${EVAL_PROMPTS:-10}   # per dataset
+EVAL_TOKENS=${EVAL_TOKENS:-128}
+STAGES=${STAGES:-data cache train calibrate eval bench}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # spinning OpenMP threads slow everything else here
+
+mkdir -p "$WORK"
+has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
+drafter() { echo "{\"method\": \"$1\", \"model\": \"$WORK/$2\"${3:+, $3}}"; }
+
+if has_stage data; then
+  "$SPECSERVE" data regenerate --model "$TARGET" --code-prompts "$PROMPTS" --output "$WORK/answers.jsonl" \
+    --max-tokens "$MAX_TOKENS" --batch-size "$IN_FLIGHT"
+  # Rows are written in completion order with their prompt id: split by id.
+  python3 - "$WORK" "$HELD_OUT" "$PROMPTS" <<'EOF'
+import json, sys
+work, held_out, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rows = [json.loads(line) for line in open(f"{work}/answers.jsonl") if line.strip()]
+train = [r for r in rows if r["id"] < total - held_out]
+with open(f"{work}/train.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in train)
+with open(f"{work}/train-quarter.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in train[: len(train) // 4])
+with open(f"{work}/held-out.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows if r["id"] >= total - held_out)
+EOF
+fi
+
+if has_stage cache; then
+  for data in train train-quarter; do
+    [[ $data == train-quarter && $SMALL_BUDGET != 1 ]] && continue
+    [[ -f "$WORK/cache-$data/manifest.json" ]] ||
+      "$SPECSERVE" data target-cache --model "$TARGET" --data "$WORK/$data.jsonl" --output "$WORK/cache-$data"
+  done
+fi
+
+train() {  # name method cache steps
+  "$SPECSERVE" train --model "$TARGET" --cache "$WORK/$3" --output "$WORK/$1" --method "$2" \
+    --layers "$LAYERS" --block-size "$BLOCK" --markov-rank "$MARKOV_RANK" --steps "$4" \
+    --batch-size "$BATCH" --num-anchors "$ANCHORS"
+}
+if has_stage train; then
+  train dspark dspark cache-train "$STEPS"
+  train dflash dflash cache-train "$STEPS"
+  [[ $SMALL_BUDGET == 1 ]] && train dspark-quarter dspark cache-train-quarter $((STEPS / 4))
+fi
+
+if has_stage calibrate; then
+  "$SPECSERVE" calibrate --model "$TARGET" --speculative-config "$(drafter dspark dspark)" \
+    --prompts "$WORK/held-out.jsonl" --num-prompts "$HELD_OUT" --max-tokens "$EVAL_TOKENS"
+fi
+
+DATASETS="$EVAL/humaneval.jsonl,$EVAL/mbpp.jsonl,$EVAL/gsm8k.jsonl,$EVAL/mt-bench.jsonl"
+if has_stage eval; then
+  extra=()
+  [[ $SMALL_BUDGET == 1 ]] && extra=(--drafter "dspark-quarter=$(drafter dspark dspark-quarter)")
+  "$SPECSERVE" eval --model "$TARGET" --datasets "$DATASETS" --num-prompts "$EVAL_PROMPTS" \
+    --max-tokens "$EVAL_TOKENS" --output "$WORK/eval" \
+    --drafter "dspark=$(drafter dspark dspark)" --drafter "dflash=$(drafter dflash dflash)" "${extra[@]}" \
+    --drafter "draft_model={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}" \
+    --drafter 'ngram={"method": "ngram", "num_speculative_tokens": 5}'
+fi
+
+if has_stage bench; then
+  "$SPECSERVE" bench spec --model "$TARGET" --prompts "$EVAL/humaneval.jsonl" --num-prompts "$EVAL_PROMPTS" \
+    --new-tokens "$EVAL_TOKENS" --no-transformers \
+    --drafter "dspark=$(drafter dspark dspark)" \
+    --drafter "dspark scheduled=$(drafter dspark dspark '"verify_policy": "dspark"')" \
+    --drafter "dflash=$(drafter dflash dflash)" \
+    --drafter "draft_model k5={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}" \
+    --drafter 'ngram k5={"method": "ngram", "num_speculative_tokens": 5}' | tee "$WORK/bench-humaneval.txt"
+fi
