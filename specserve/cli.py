@@ -142,6 +142,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         input_len=args.input_len,
         output_len=args.output_len,
         num_prompts=args.num_prompts,
+        waves=args.waves,
         concurrency=args.concurrency,
         sla=Sla.parse(args.sla),
         temperature=args.temperature,
@@ -498,8 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsrv.add_argument("--input-len", type=int, default=None, help="random prompts (default 512)")
     bsrv.add_argument("--output-len", type=int, default=None, help="default 64")
     bsrv.add_argument(
-        "--num-prompts", type=int, default=None, help="per level (default max(8, 4 x concurrency))"
+        "--num-prompts", type=int, default=None, help="per level (default max(8, waves x concurrency))"
     )
+    bsrv.add_argument("--waves", type=int, default=None, help="full batches per level (default 4)")
     bsrv.add_argument("--concurrency", type=_int_list, default=[1], help="comma-separated, e.g. 1,2,4,8")
     bsrv.add_argument("--sla", default=None, help="goodput bounds in ms, e.g. tpot:100,ttft:2000")
     bsrv.add_argument("--temperature", type=float, default=None, help="default 0 (greedy)")

@@ -155,10 +155,14 @@ def test_presets_and_options():
     assert (settings.input_len, settings.output_len, settings.dataset) == (8192, 16, "random")
     assert BenchSettings.from_options("cpu-small").input_len == 512
     assert BenchSettings(concurrency=[1, 16]).prompts_at(16) == 64
+    assert BenchSettings(concurrency=[1, 16], waves=2).prompts_at(16) == 32
+    assert BenchSettings(concurrency=[1, 16], waves=2).prompts_at(1) == 8
     with pytest.raises(SpecserveError, match="unknown preset"):
         BenchSettings.from_options("huge")
     with pytest.raises(SpecserveError, match="concurrency"):
         BenchSettings(concurrency=[0])
+    with pytest.raises(SpecserveError, match="waves"):
+        BenchSettings(waves=0)
 
 
 def test_sweep_config_errors_name_the_key(tmp_path):

@@ -41,7 +41,8 @@ class BenchSettings:
     input_len: int = 512  # random prompts only: file datasets keep their prompts' lengths
     output_len: int = 64
     concurrency: list[int] = field(default_factory=lambda: [1])
-    num_prompts: int | None = None  # per concurrency level; None: max(8, 4 x concurrency)
+    num_prompts: int | None = None  # per concurrency level; None: max(8, waves x concurrency)
+    waves: int = 4  # full batches per level when num_prompts is None
     sla: Sla = field(default_factory=Sla)
     temperature: float = 0.0
     seed: int = 0
@@ -54,6 +55,8 @@ class BenchSettings:
             raise SpecserveError("input and output lengths must be >= 1")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise SpecserveError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.waves < 1:
+            raise SpecserveError(f"waves must be >= 1, got {self.waves}")
 
     @classmethod
     def from_options(cls, preset: str | None = None, **options) -> BenchSettings:
@@ -69,7 +72,7 @@ class BenchSettings:
 
     def prompts_at(self, concurrency: int) -> int:
         # A few waves per level, so the batch stays full for most of the run.
-        return self.num_prompts or max(8, 4 * concurrency)
+        return self.num_prompts or max(8, self.waves * concurrency)
 
     def describe(self) -> dict:
         return {
