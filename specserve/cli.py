@@ -18,6 +18,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantized linear layers"
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
@@ -36,7 +39,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     t_load = time.monotonic()
     llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        quantization=args.quantization,
     )
     print(f"[loaded {args.model} in {time.monotonic() - t_load:.1f}s]", file=sys.stderr)
     prompt = (
