@@ -610,4 +610,5 @@ def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, tor
             continue
         bias = model.get_submodule(names[0]).bias
         replace_module(model, names, quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias))
-    return ((p.hf_name, torch.from_numpy(arr)) for p, arr in iter_converted(reader, rest))
+    # copies: F32 tensors come straight from the read-only memory map
+    return ((p.hf_name, torch.from_numpy(np.array(arr))) for p, arr in iter_converted(reader, rest))
