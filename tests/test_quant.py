@@ -24,11 +24,11 @@ from specserve.layers.quant import (
     Int4Linear,
     Int8Linear,
     dequantize_int4,
+    int8_from_q8_0,
     quantize_int4,
     quantize_int8,
     quantize_linear,
     quantize_model,
-    requantize_int8_groups,
 )
 from specserve.models import gguf as sgguf
 from specserve.models.loader import load_model, resolve_model
@@ -54,14 +54,11 @@ def random_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- formats
 
 
-def test_int8_round_trip_is_within_half_a_step():
-    w = random_weight(48, 256)
-    q, scales = quantize_int8(w)
-    assert q.dtype == torch.int8 and scales.dtype == COMPUTE_DTYPE and q.abs().max() <= 127
-    step = scales.float()[:, None]
-    err = (q.float() * step - w).abs()
-    assert (err <= 0.5 * step * (1 + 1e-6)).all()
-    assert (q[1] == 0).all()  # a zero row stays exactly zero
+def int4_error_bound(scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Half a step, plus the bf16 rounding of the group's scale and zero (stored in the kernel's dtype)."""
+    step = scales.float().abs().repeat_interleave(group_size, dim=1)
+    zero = zeros.float().abs().repeat_interleave(group_size, dim=1)
+    return 0.5 * step + 2**-8 * (15 * step + zero)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -70,19 +67,29 @@ def test_int4_round_trip_is_within_half_a_step(group_size):
     q, scales, zeros = quantize_int4(w, group_size)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scales.shape == (48, 256 // group_size)
     err = (dequantize_int4(q, scales, zeros) - w).abs()
-    step = scales.float().repeat_interleave(group_size, dim=1)
-    zero = zeros.float().abs().repeat_interleave(group_size, dim=1)
-    # half a step, plus the bf16 rounding of the group's scale and zero (both stored in the kernel's dtype)
-    assert (err <= 0.5 * step + 2**-8 * (15 * step + zero)).all()
-    assert err.mean() < 0.3 * step.mean()
+    assert (err <= int4_error_bound(scales, zeros, group_size)).all()
+    assert err.mean() < 0.3 * scales.float().mean()
 
 
-def test_q8_0_blocks_sharing_a_scale_requantize_unchanged():
-    q = torch.randint(-127, 128, (32, 128), dtype=torch.int8)
-    q[:, 0] = 127  # every row reaches the largest code
-    same = torch.full((32, 4), 0.0125)
-    q2, scales = requantize_int8_groups(q, same)
-    assert torch.equal(q2, q) and torch.allclose(scales.float(), torch.full((32,), 0.0125), rtol=2**-8)
+def test_int8_residual_plane_resolves_the_coarse_step():
+    w = random_weight(48, 256)
+    coarse, residual = quantize_int8(w, 32)
+    assert torch.equal(coarse[0], quantize_int4(w, 32)[0])
+    err = (dequantize_int4(*coarse) + dequantize_int4(*residual) - w).abs()
+    assert (err <= int4_error_bound(*residual[1:], 32)).all()
+    # within 1/15 of the coarse step (about 1/30 on average): finer than one 8-bit grid per group
+    step = coarse[1].float().abs().repeat_interleave(32, dim=1)
+    assert (err <= step / 15 + 2**-16 * w.abs() + 1e-9).all()
+    assert (err / step)[step > 1e-6].mean() < 0.02
+
+
+def test_q8_0_codes_are_kept_with_only_the_scale_rounded():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=g)
+    d = torch.rand(32, 4, generator=g) * 0.02 + 1e-3
+    layer = Int8Linear(*int8_from_q8_0(q, d))
+    d_bf16 = d.to(COMPUTE_DTYPE).float().repeat_interleave(32, dim=1)
+    assert torch.equal(layer.weight, q.float() * d_bf16)
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -98,17 +105,19 @@ def test_layer_equals_its_dequantized_reference(mode, in_features, out_features,
     inputs = [torch.randn(in_features)]  # 1-D
     inputs += [torch.randn(m, in_features) for m in (1, 2, 3, 5, 16, 33)]
     inputs += [torch.randn(2, 5, in_features), torch.randn(in_features, 6).t()]  # 3-D, strided
-    weight = layer.weight  # dequantized fp32
+    # dequantized fp32 weights of each kernel call (int8 makes two, one per int4 plane)
+    planes = [p.weight for p in ([layer.coarse, layer.residual] if mode == "int8" else [layer])]
+    weight = sum(planes)
     with torch.inference_mode():
         for x in inputs:
             # the reference: the dequantized weight applied in fp32 to the bf16-rounded input
             x_bf16 = x.to(COMPUTE_DTYPE).float()
-            y, product = layer(x), F.linear(x_bf16, weight)
-            ref = product if layer.bias is None else product + layer.bias
+            y, products = layer(x), [F.linear(x_bf16, w) for w in planes]
+            ref = sum(products) if layer.bias is None else sum(products) + layer.bias
             assert y.shape == ref.shape and y.dtype == torch.float32
-            # exact up to fp rounding: fp32 accumulation order, and the kernel's bf16 output (2^-9 relative)
-            scale = x_bf16.abs() @ weight.abs().t()
-            assert ((y - ref).abs() <= 2**-8 * product.abs() + 1e-5 * scale).all(), tuple(x.shape)
+            # exact up to fp rounding: fp32 accumulation order, and each call's bf16 output (2^-8 relative)
+            bound = 2**-8 * sum(p.abs() for p in products) + 1e-5 * (x_bf16.abs() @ weight.abs().t())
+            assert ((y - ref).abs() <= bound).all(), tuple(x.shape)
         assert layer(torch.randn(0, in_features)).shape == (0, out_features)
 
 
@@ -129,19 +138,25 @@ def test_int4_codes_read_back_through_the_kernel():
     assert torch.equal(layer.weight, dequantize_int4(q, scales, zeros))
 
 
-def test_quantize_model_replaces_what_the_kernels_take():
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_model_replaces_what_the_kernel_takes(mode):
     model = nn.ModuleDict(
         {
             "up": nn.Linear(64, 128),
-            "odd": nn.Linear(64, 40),  # N % 16 != 0: int4 cannot take it, int8 can
-            "narrow": nn.Linear(24, 64),  # K % 16 != 0: int8 cannot take it; no int4 group divides 24
+            "odd": nn.Linear(64, 40),  # N % 16 != 0: the kernel packs output channels by 16
+            "narrow": nn.Linear(24, 64),  # no group size (>= 32) divides K
             "mlp": nn.ModuleDict({"gate": nn.Linear(64, 32)}),  # a MoE router: stays fp32
+            "lm_head": nn.Linear(64, 256),
         }
     )
-    assert quantize_model(model, "int4") == 1
-    assert isinstance(model["up"], Int4Linear) and type(model["odd"]) is nn.Linear
-    assert quantize_model(model, "int8") == 1 and isinstance(model["odd"], Int8Linear)
+    quantized = {"int8": Int8Linear, "int4": Int4Linear}[mode]
+    assert quantize_model(model, mode) == (1 if mode == "int8" else 2)
+    assert isinstance(model["up"], quantized) and type(model["odd"]) is nn.Linear
     assert type(model["narrow"]) is nn.Linear and type(model["mlp"]["gate"]) is nn.Linear
+    # the head: quantized by default in int4 (speed), kept fp32 in int8 (bf16 logits reorder near ties)
+    assert isinstance(model["lm_head"], quantized) == (mode == "int4")
+    assert quantize_model(model, mode, lm_head=True) == (1 if mode == "int8" else 0)
+    assert isinstance(model["lm_head"], quantized)
     with pytest.raises(SpecserveError, match="quantization must be one of"):
         quantize_model(model, "int3")
 
@@ -276,26 +291,26 @@ def test_quantized_loading_reads_the_gguf_blocks(tmp_path, monkeypatch):
     for mode in MODES:
         model, _, _ = load_model(str(model_dir), quantization=mode)
         for name, (qtype, value) in expected.items():
-            layer = model.get_submodule(name.removesuffix(".weight"))
+            layer, value = model.get_submodule(name.removesuffix(".weight")), torch.from_numpy(value)
             if mode == "int4" and qtype in (QT.Q4_0, QT.Q4_K):
-                assert_int4_maps_blocks(layer, value)
-            elif mode == "int8" and qtype == QT.Q8_0:
-                assert isinstance(layer, Int8Linear)  # Q8_0 groups rescaled to one scale per row
-                step = layer.scales.float()[:, None]
-                assert ((layer.weight - torch.from_numpy(value)).abs() <= 0.5 * step * (1 + 1e-6)).all()
+                assert_int4_maps_blocks(layer, value.numpy())
+            elif mode == "int8" and qtype == QT.Q8_0:  # the codes, with d rounded to bf16
+                assert isinstance(layer, Int8Linear)
+                assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all()
+            elif mode == "int8" and name == "lm_head.weight":  # int8 keeps the head fp32
+                assert type(layer) is nn.Linear and torch.equal(layer.weight, value)
             else:  # dequantized, then quantized exactly as a dense weight would be
-                reference = quantize_linear(torch.from_numpy(value), None, mode)
+                reference = quantize_linear(value, None, mode)
                 assert type(layer) is type(reference) and torch.equal(layer.weight, reference.weight)
-        ids = torch.tensor([[1, 5, 9, 2]])
         llm = tiny_llm(str(src), quantization=mode)
-        out = llm.generate([ids[0].tolist()], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        out = llm.generate([[1, 5, 9, 2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
 def test_quantized_gguf_loading_equals_quantizing_the_conversion(arch, tmp_path, monkeypatch):
-    """F32/Q8_0 tensors, tied heads and stacked experts: the GGUF path gives the same layers as
-    quantizing the fp32 conversion; routers stay fp32."""
+    """F32 and Q8_0 tensors (int4), F32 tensors (int8), stacked experts: the GGUF path gives the same
+    layers as quantizing the fp32 conversion; routers stay fp32."""
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     src = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(src, arch)
@@ -303,18 +318,27 @@ def test_quantized_gguf_loading_equals_quantizing_the_conversion(arch, tmp_path,
     for mode in MODES:
         from_gguf, _, _ = load_model(str(model_dir), quantization=mode)
         dense, _, _ = load_model(str(model_dir))
-        quantize_model(dense, mode)
+        assert quantize_model(dense, mode) > 0
         layers = dict(from_gguf.named_modules())
         for name, module in dense.named_modules():
-            if isinstance(module, Int8Linear | Int4Linear):
+            if isinstance(module, Int8Linear | Int4Linear) and not name.endswith((".coarse", ".residual")):
                 assert type(layers[name]) is type(module), name
-                assert torch.equal(layers[name].weight, module.weight), name
+                # int8 from Q8_0 keeps the file's codes instead: checked in the test above
+                if not (mode == "int8" and name.endswith(("q_proj", "up_proj"))):
+                    assert torch.equal(layers[name].weight, module.weight), name
         if arch == "qwen3moe":
             assert type(layers["model.layers.0.mlp.gate"]) is nn.Linear
             assert isinstance(layers["model.layers.0.mlp.experts.3.down_proj"], Int8Linear | Int4Linear)
-        elif mode == "int8":  # tied (261 x 32: too few rows for int4): the head gets an int8 copy
-            assert isinstance(layers["lm_head"], Int8Linear)
-            assert isinstance(from_gguf.model.embed_tokens.weight, nn.Parameter)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tied_head_gets_its_own_quantized_copy(mode, tiny_model_dir):
+    model, _, _ = load_model(str(tiny_model_dir("qwen2")))
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding
+    quantize_model(model, mode, lm_head=True)
+    assert isinstance(model.lm_head, Int8Linear | Int4Linear)
+    assert model.model.embed_tokens.weight is embedding and embedding.dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------- engine

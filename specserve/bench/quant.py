@@ -4,11 +4,14 @@ cost curve T(q)/T(1), and quality (greedy agreement with fp32, perplexity on Pyt
     OMP_WAIT_POLICY=PASSIVE python -m specserve.bench.quant kernels
     OMP_WAIT_POLICY=PASSIVE python -m specserve.bench.quant decode --model qwen2.5-coder-1.5b
 
-`decode` loads fp32, int8 and int4 engines and llama.cpp (llama-cpp-python, `pip install
-'specserve[bench]'`) on the same GGUF with the same thread count, and times them in interleaved rounds,
-so that the printed ratios compare runs under the same load (absolute figures drift on this shared
-machine). Then T(q) for q = 1..16 (one forward over q new tokens after `--context` cached ones, logits for
-all q rows, as verification needs), the same way; then quality, unless `--no-quality`.
+`decode` runs one phase per mode (fp32, int8, int4; the three 1.5B engines do not fit in this machine's
+memory together), each interleaved round by round with llama.cpp (llama-cpp-python, `pip install
+'specserve[bench]'`) on the same GGUF with the same thread count, which stays loaded throughout: every
+ratio is measured against llama.cpp within one phase, under the same load (absolute figures drift on this
+shared machine), and ratios between modes go through llama.cpp. Per phase: batch-1 greedy decode tokens/s;
+T(q) for q = 1..16 (one forward over q new tokens after `--context` cached ones, logits for all q rows, as
+verification needs); and, unless `--no-quality`, greedy outputs (compared with fp32's at the end) and
+perplexity on Python source. `--profile` adds an operator profile of int4 decode steps.
 OMP_WAIT_POLICY=PASSIVE (set before Python starts) keeps idle OpenMP threads from spinning against the
 other engines and the neighbours (see specserve/layers/linear.py).
 """
@@ -38,9 +41,23 @@ KERNEL_SHAPES = [("q/o", 1536, 1536), ("k/v", 1536, 256), ("gate/up", 1536, 8960
 KERNEL_SHAPES += [("lm_head", 1536, 151936)]
 KERNEL_M = [1, 2, 4, 8, 16, 64, 256]
 CACHE_FLUSH_BYTES = 256 * 2**20  # weights cycled past the 32 MiB L3, as in a real forward
-# Source files the quality checks read: prompts for greedy agreement, text for perplexity (disjoint sets).
+# Greedy agreement runs on two prompt sets: coding requests through the chat template (how an instruct
+# model is used) and raw code to continue (the first tokens of stdlib modules: many near ties, harsher).
+CHAT_TASKS = [
+    "checks whether a string is a palindrome",
+    "computes the nth Fibonacci number iteratively",
+    "performs binary search on a sorted list",
+    "merges two sorted lists",
+    "implements a stack class with push, pop and peek",
+    "counts word frequencies in a text",
+    "flattens a nested list",
+    "returns the prime numbers below n",
+    "transposes a matrix given as a list of lists",
+    "parses one CSV line into fields, handling quoted values",
+]
 PROMPT_MODULES = ["csv", "statistics", "string", "difflib", "glob", "fnmatch", "colorsys", "calendar"]
 PROMPT_MODULES += ["queue", "json.decoder"]
+# Perplexity text: other stdlib modules' source.
 PERPLEXITY_MODULES = ["textwrap", "shlex", "fractions", "heapq", "bisect", "dataclasses", "argparse"]
 
 
@@ -51,8 +68,16 @@ def _median_ms(times: list[float]) -> float:
 # ------------------------------------------------------------------------------------------------ kernels
 
 
+def _int8pack(weight: torch.Tensor):
+    scales = weight.abs().amax(dim=1) / 127
+    q = torch.round(weight / scales[:, None]).to(torch.int8)
+    scales = scales.to(torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).float()
+
+
 def bench_kernels(rounds: int, m_values: list[int]) -> dict:
-    """ms per call of fp32 oneDNN, int8 and int4 (g32, g128) linears at each (shape, M), interleaved."""
+    """ms per call of each linear kernel at each (shape, M), interleaved: fp32 oneDNN, int8 (two int4 planes),
+    torch's per-channel int8 kernel (for comparison), int4 at group sizes 32 and 128."""
     results: dict = {}
     for name, k, n in KERNEL_SHAPES:
         copies = max(1, CACHE_FLUSH_BYTES // (n * k * 4))
@@ -61,6 +86,8 @@ def bench_kernels(rounds: int, m_values: list[int]) -> dict:
         kernels = {
             "fp32": [lambda x, w=w: onednn_linear_padded(x, w, None) for w in packed],
             "int8": [quantize_linear(w, None, "int8") for w in weights],
+            # torch's per-channel int8 kernel: measured, not used (see specserve/layers/quant.py)
+            "int8pack": [_int8pack(w) for w in weights],
             "int4 g32": [quantize_linear(w, None, "int4", 32) for w in weights],
             "int4 g128": [quantize_linear(w, None, "int4", 128) for w in weights],
         }
@@ -164,6 +191,15 @@ def source_tokens(tokenizer, modules: list[str]) -> list[list[int]]:
     return [tokenizer(inspect.getsource(importlib.import_module(m))).input_ids for m in modules]
 
 
+def chat_prompts(tokenizer) -> list[list[int]]:
+    prompts = []
+    for task in CHAT_TASKS:
+        messages = [{"role": "user", "content": f"Write a Python function that {task}."}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
 def bench_decode(engines: dict, prompt: list[int], new_tokens: int, rounds: int) -> dict[str, float]:
     """Median decode tokens/s per engine over interleaved rounds."""
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -245,76 +281,89 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """One phase per mode (fp32, int8, int4 do not fit in memory together here), each interleaved with
+    llama.cpp, which stays loaded: every ratio is measured against llama.cpp within its phase."""
     from specserve.bench.decode import copy_bandwidth_gb_s
     from specserve.models.gguf import gguf_source
-    from specserve.models.loader import resolve_model
+    from specserve.models.loader import load_tokenizer, resolve_model
 
     threads = torch.get_num_threads()
-    print(
-        f"torch {torch.__version__}, {threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
-    )
-    max_len = max(args.prompt_len + args.new_tokens, args.context + 16) + 16
-    engines: dict = {}
+    wait = os.environ.get("OMP_WAIT_POLICY")
+    print(f"torch {torch.__version__}, {threads} threads, OMP_WAIT_POLICY={wait}, load {os.getloadavg()}")
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    sources = source_tokens(tokenizer, PROMPT_MODULES)
+    prompt_sets = {"chat": chat_prompts(tokenizer), "code": [p[: args.prompt_len] for p in sources]}
+    context = [t for p in sources for t in p][: args.context]
+    text = [t for p in source_tokens(tokenizer, PERPLEXITY_MODULES) for t in p]
+    windows = min(args.ppl_windows, len(text) // args.ppl_window)
+    max_len = max(args.prompt_len + args.new_tokens, args.context + 16, args.ppl_window) + 16
+    gguf_path = gguf_source(model_dir)
+    llama = LlamaCpp(str(gguf_path), threads, n_ctx=max_len + 16) if args.llama and gguf_path else None
+    bandwidth = copy_bandwidth_gb_s()
+    print(f"copy bandwidth {bandwidth:.1f} GB/s; llama.cpp: {gguf_path if llama else 'not run'}")
+
+    decode: dict[str, dict[str, float]] = {}
+    curves: dict[str, dict] = {}
+    outputs: dict[str, dict[str, list[list[int]]]] = {}
+    ppl: dict[str, float] = {}
     for mode in MODES:
         start = time.perf_counter()
-        engines[mode] = Specserve(args.model, None if mode == "fp32" else mode, max_len)
-        print(f"loaded {mode} in {time.perf_counter() - start:.0f} s", flush=True)
-    gguf_path = gguf_source(resolve_model(args.model))
-    if args.llama and gguf_path is not None:
-        engines["llama.cpp"] = LlamaCpp(str(gguf_path), threads, n_ctx=max_len + 16)
-    tokenizer = engines["fp32"].llm.tokenizer
-    text = source_tokens(tokenizer, PROMPT_MODULES)
-    bandwidth = copy_bandwidth_gb_s()
-    print(f"copy bandwidth {bandwidth:.1f} GB/s; llama.cpp on {gguf_path}")
+        ours = Specserve(args.model, None if mode == "fp32" else mode, max_len)
+        print(f"\n== {mode} (loaded in {time.perf_counter() - start:.0f} s)", flush=True)
+        engines = {mode: ours, **({"llama.cpp": llama} if llama else {})}
+        decode[mode] = bench_decode(engines, prompt_sets["code"][0], args.new_tokens, args.rounds)
+        curves[mode] = bench_verify_curve(engines, context, 16, args.rounds)
+        if args.profile and mode == "int4":
+            print("int4 decode profile (self CPU time by operator):")
+            print(profile_decode(ours.llm, prompt_sets["code"][0], 16))
+        if args.quality:
+            outputs[mode] = {name: greedy_outputs(ours.llm, ps, 64) for name, ps in prompt_sets.items()}
+            ppl[mode] = perplexity(ours.llm, text, args.ppl_window, windows)
+            print(f"  perplexity {ppl[mode]:.4f}", flush=True)
+        del ours, engines
+        gc.collect()
 
     print(
         f"\nbatch-1 greedy decode: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
-        f"median of {args.rounds} interleaved rounds"
+        f"median of {args.rounds} rounds interleaved with llama.cpp"
     )
-    decode = bench_decode(engines, text[0][: args.prompt_len], args.new_tokens, args.rounds)
-    base = decode.get("llama.cpp")
-    for name, rate in decode.items():
-        vs = f"  {rate / base:.2f}x llama.cpp" if base else ""
-        print(f"  {name:10s} {rate:6.2f} tok/s  {rate / decode['fp32']:.2f}x fp32{vs}")
-
-    print(f"\nT(q): one forward over q tokens after {args.context} cached ones, median of {args.rounds} (ms)")
-    context = [t for p in text for t in p][: args.context]
-    curve = bench_verify_curve(engines, context, 16, args.rounds)
-    print("   q " + "".join(f"{name:>20s}" for name in curve))
-    for q in range(1, 17):
-        cells = "".join(f"{ms[q]:10.1f} {ms[q] / ms[1]:5.2f}x   " for ms in curve.values())
-        print(f"  {q:2d} {cells}")
-    result = {"threads": threads, "bandwidth_gb_s": bandwidth, "decode_tokens_per_s": decode, "t_q_ms": curve}
-
-    if args.profile:
-        print("\nint4 decode profile (self CPU time by operator):")
-        print(profile_decode(engines["int4"].llm, text[0][: args.prompt_len], 16))
-    engines.pop("llama.cpp", None)
-    gc.collect()
+    for mode, rates in decode.items():
+        line = f"  {mode:5s} {rates[mode]:6.2f} tok/s"
+        if llama:
+            vs_llama = rates[mode] / rates["llama.cpp"]
+            vs_fp32 = vs_llama / (decode["fp32"]["fp32"] / decode["fp32"]["llama.cpp"])
+            line += f" | llama.cpp {rates['llama.cpp']:6.2f} tok/s in this phase | {vs_llama:.2f}x llama.cpp"
+            line += f" (llama.cpp {1 / vs_llama:.2f}x faster) | {vs_fp32:.2f}x fp32"
+        print(line)
+    print(f"\nT(q)/T(1): one forward over q tokens after {args.context} cached ones")
+    columns = {mode: curve[mode] for mode, curve in curves.items()}
+    if llama:
+        columns["llama.cpp"] = curves["int4"]["llama.cpp"]
+    print("   q" + "".join(f"{name:>12s}" for name in columns))
+    print("   1" + "".join(f"{ms[1]:9.1f} ms" for ms in columns.values()))
+    for q in range(2, 17):
+        print(f"  {q:2d}" + "".join(f"{ms[q] / ms[1]:11.2f}x" for ms in columns.values()))
+    result = {"threads": threads, "bandwidth_gb_s": bandwidth, "decode": decode, "t_q_ms": curves}
     if args.quality:
-        result["quality"] = quality(engines, tokenizer, args)
+        result["perplexity"] = ppl
+        result["agreement_with_fp32"] = {
+            m: {name: agreement(outputs["fp32"][name], outputs[m][name]) for name in prompt_sets}
+            for m in ("int8", "int4")
+        }
+        print("\ngreedy agreement with fp32 over the first 64 tokens of 10 prompts: share of tokens before")
+        print("the first divergence (strict), and share of equal positions")
+        for mode, per_set in result["agreement_with_fp32"].items():
+            cells = [
+                f"{s}: {100 * a['prefix']:.1f}% / {100 * a['positionwise']:.1f}%" for s, a in per_set.items()
+            ]
+            print(f"  {mode}: " + ", ".join(cells))
+        names = ", ".join(PERPLEXITY_MODULES)
+        print(f"perplexity on {windows} x {args.ppl_window} tokens of stdlib source ({names})")
+        for mode, value in ppl.items():
+            print(f"  {mode}: {value:.4f} ({value / ppl['fp32'] - 1:+.2%} vs fp32)")
     print(json.dumps(result))
     return result
-
-
-def quality(engines: dict, tokenizer, args: argparse.Namespace) -> dict:
-    prompts = [p[: args.prompt_len] for p in source_tokens(tokenizer, PROMPT_MODULES)]
-    outputs = {name: greedy_outputs(e.llm, prompts, 64) for name, e in engines.items()}
-    out: dict = {"agreement_with_fp32": {}, "perplexity": {}}
-    print(
-        f"\ngreedy agreement with fp32, {len(prompts)} prompts x 64 tokens (prefix = up to first divergence)"
-    )
-    for name in ("int8", "int4"):
-        out["agreement_with_fp32"][name] = a = agreement(outputs["fp32"], outputs[name])
-        print(f"  {name}: prefix {100 * a['prefix']:.1f}%, positionwise {100 * a['positionwise']:.1f}%")
-    text = [t for p in source_tokens(tokenizer, PERPLEXITY_MODULES) for t in p]
-    windows = min(args.ppl_windows, len(text) // args.ppl_window)
-    sources = ", ".join(PERPLEXITY_MODULES)
-    print(f"\nperplexity on {windows} x {args.ppl_window} tokens of stdlib source ({sources})")
-    for name, engine in engines.items():
-        out["perplexity"][name] = ppl = perplexity(engine.llm, text, args.ppl_window, windows)
-        print(f"  {name}: {ppl:.4f} ({ppl / out['perplexity']['fp32'] - 1:+.2%} vs fp32)", flush=True)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

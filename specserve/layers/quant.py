@@ -10,7 +10,7 @@ Formats (w is the fp32 weight, [out N, in K]):
 Why bf16 activations inside the kernels: on x86 both kernels are vectorized (AVX-512 / AVX2) only for bf16
 inputs; their fp32 instantiations are the scalar reference loops, 4-30x slower than the fp32 oneDNN linear.
 The bf16 kernels still dequantize to fp32 and accumulate in fp32; only the layer's input and output are
-rounded to bf16 (relative 2^-9), an error well below the weight quantization's own. Everything outside the
+rounded to bf16 (2^-8 relative at most), an error below the weight quantization's own. Everything outside the
 linear layers (norms, attention, residual stream, logits softmax) stays fp32. Scales and zeros are stored
 in bf16 because the kernels read them in the activation dtype.
 
@@ -45,11 +45,13 @@ from torch import nn
 from specserve.config import QUANTIZATION_MODES, SpecserveError
 from specserve.layers.linear import PackedLinear
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
+GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
 DEFAULT_GROUP_SIZE = 32
-COMPUTE_DTYPE = torch.bfloat16  # the kernels' vectorized instantiation on x86 (see the module docstring)
-INT8_K_MULTIPLE = 16  # the int8 kernel reads 16 inputs per vector step; other K crash or go wrong
-INT4_N_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
+N_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
+COMPUTE_DTYPE = torch.bfloat16  # the kernel's vectorized instantiation on x86 (see the module docstring)
+# The LM head's output is rounded to bf16 by the kernel: logits of ~20 lose ~0.06, enough to reorder near
+# ties. int8 keeps the head fp32 for its accuracy; int4 quantizes it for speed (it is 15% of the weights).
+QUANTIZE_HEAD = {"int8": False, "int4": True}
 # MoE routers stay fp32: a rounding error there changes which experts run (llama.cpp keeps them F32 too).
 ROUTER_SUFFIXES = ("mlp.gate", "router.proj")
 
@@ -61,25 +63,6 @@ def check_mode(mode: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ formats
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [N, K], scales bf16 [N]) with w ~ q * s; |w - q * s| <= s / 2 (s rounded to bf16 first)."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(COMPUTE_DTYPE)
-    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
-
-
-def requantize_int8_groups(q: torch.Tensor, group_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel int8 from int8 with one scale per group of K (GGUF Q8_0): w = q * group scale.
-
-    The int8 kernel has one scale per output channel, so each row is rescaled to its largest group scale
-    times 127; rows whose groups share one scale come through unchanged."""
-    n, k = q.shape
-    groups = group_scales.shape[1]
-    w = (q.float().view(n, groups, k // groups) * group_scales.float()[..., None]).view(n, k)
-    return quantize_int8(w)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,40 +87,41 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
     return (centred * scales.float()[..., None] + zeros.float()[..., None]).view(n, k)
 
 
+Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q, scales, zeros) as quantize_int4 returns
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int) -> tuple[Int4Plane, Int4Plane]:
+    """8 bits per weight as two int4 planes: a coarse one, and one for what the coarse plane misses.
+
+    The residual of an int4 group spans about one coarse step, so its plane resolves 1/15 of that step:
+    about range / 450 per group, better than one 8-bit grid over the same range (range / 255)."""
+    coarse = quantize_int4(weight, group_size)
+    residual = weight.detach().float() - dequantize_int4(*coarse)
+    return coarse, quantize_int4(residual, group_size)
+
+
+def int8_from_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[Int4Plane, Int4Plane]:
+    """GGUF Q8_0 (w = d * q, q in [-127, 127], one d per 32 weights) as two int4 planes that keep its codes.
+
+    With c = q + 128 = 16 a + b: d * q = (a - 8) * 16 d + (b - 8) * d + 8 d. Only d is rounded (to bf16;
+    16 d and 8 d round alike), so the weight is bf16(d) * q: within 2^-8 (relative) of Q8_0's own value."""
+    codes = q.to(torch.int16) + 128
+    d = scales.to(COMPUTE_DTYPE)
+    high, low = (codes >> 4).to(torch.uint8), (codes & 15).to(torch.uint8)
+    return (high, 16 * d, torch.zeros_like(d)), (low, d, 8 * d)
+
+
 # ------------------------------------------------------------------------------------------------ modules
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., K] -> contiguous bf16 [rows, K], as both kernels require."""
+    """[..., K] -> contiguous bf16 [rows, K], as the kernel requires."""
     return x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias.to(x.dtype)
-
-
-class Int8Linear(nn.Module):
-    """Inference-only linear layer with an int8 per-channel weight; `weight` reads the dequantized fp32."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).contiguous())
-        self.bias = bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(_as_rows(x), self.qweight, self.scales)
-        return _finish(y, x, self.bias)
-
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
 class Int4Linear(nn.Module):
@@ -171,11 +155,14 @@ class Int4Linear(nn.Module):
         scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
         return dequantize_int4(self.codes(), scales, zeros)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _as_rows(x), self.packed, self.group_size, self.scales_and_zeros
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """bf16 [M, K] (contiguous) -> bf16 [M, N], without the bias."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, self.group_size, self.scales_and_zeros
         )
-        return _finish(y, x, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _finish(self.matmul(_as_rows(x)), x, self.bias)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
@@ -185,48 +172,72 @@ class Int4Linear(nn.Module):
         )
 
 
+class Int8Linear(nn.Module):
+    """Inference-only linear layer with an 8-bit weight held as two int4 planes (`quantize_int8`): two calls
+    of the int4 kernel, their outputs added in fp32. `weight` reads the dequantized fp32 weight."""
+
+    def __init__(self, coarse: Int4Plane, residual: Int4Plane, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.coarse, self.residual = Int4Linear(*coarse), Int4Linear(*residual)
+        self.out_features, self.in_features = self.coarse.out_features, self.coarse.in_features
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.coarse.weight + self.residual.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _as_rows(x)
+        y = self.coarse.matmul(rows).float()
+        y += self.residual.matmul(rows)
+        return _finish(y, x, self.bias)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.coarse.group_size}, bias={bias}"
+        )
+
+
 QuantizedLinear = Int8Linear | Int4Linear
 
 
-def int4_group_size(in_features: int, out_features: int, wanted: int = DEFAULT_GROUP_SIZE) -> int | None:
-    """The largest kernel group size <= `wanted` that divides K, or None when the kernel cannot take it."""
-    if out_features % INT4_N_MULTIPLE:
+def group_size_for(in_features: int, out_features: int, wanted: int = DEFAULT_GROUP_SIZE) -> int | None:
+    """The largest kernel group size <= `wanted` that divides K, or None when the kernel cannot take the
+    weight (it packs output channels in blocks of 16)."""
+    if out_features % N_MULTIPLE:
         return None
-    fits = [g for g in INT4_GROUP_SIZES if g <= wanted and in_features % g == 0]
+    fits = [g for g in GROUP_SIZES if g <= wanted and in_features % g == 0]
     return max(fits) if fits else None
-
-
-def supports(mode: str, in_features: int, out_features: int) -> bool:
-    """Whether the mode's kernel takes a [out, in] weight."""
-    if check_mode(mode) == "int8":
-        return in_features % INT8_K_MULTIPLE == 0
-    return int4_group_size(in_features, out_features) is not None
 
 
 def quantize_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int = DEFAULT_GROUP_SIZE
 ) -> QuantizedLinear:
-    """The quantized layer for a dense fp32 weight (the caller checked `supports`)."""
+    """The quantized layer for a dense fp32 weight (the caller checked `group_size_for`)."""
+    group_size = group_size_for(weight.shape[1], weight.shape[0], group_size)
     if check_mode(mode) == "int8":
-        return Int8Linear(*quantize_int8(weight), bias)
-    group_size = int4_group_size(weight.shape[1], weight.shape[0], group_size)
+        return Int8Linear(*quantize_int8(weight, group_size), bias)
     return Int4Linear(*quantize_int4(weight, group_size), bias)
 
 
 # ---------------------------------------------------------------------------------------------- models
 
 
-def quantizable_linears(model: nn.Module, mode: str, lm_head: bool = True) -> Iterator[list[str]]:
+def quantizable_linears(model: nn.Module, mode: str, lm_head: bool | None = None) -> Iterator[list[str]]:
     """The qualified names of each linear layer `quantize_model` would replace (a module registered under
     several names comes once, with all of them). Plain nn.Linear and oneDNN PackedLinear both count."""
+    check_mode(mode)
+    with_head = QUANTIZE_HEAD[mode] if lm_head is None else lm_head
     names_of: dict[int, list[str]] = {}
     for qualname, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, nn.Linear | PackedLinear) or qualname.endswith(ROUTER_SUFFIXES):
             continue
-        if qualname == "lm_head" and not lm_head:
+        if qualname == "lm_head" and not with_head:
             continue
         on_cpu = isinstance(module, PackedLinear) or module.weight.device.type == "cpu"
-        if on_cpu and supports(mode, module.in_features, module.out_features):
+        if on_cpu and group_size_for(module.in_features, module.out_features) is not None:
             names_of.setdefault(id(module), []).append(qualname)
     yield from names_of.values()
 
@@ -238,15 +249,15 @@ def replace_module(model: nn.Module, names: list[str], new: nn.Module) -> None:
 
 
 def quantize_model(
-    model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, lm_head: bool = True
+    model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, lm_head: bool | None = None
 ) -> int:
-    """Replace, in place, every linear layer the mode's kernel can take by its quantized version (weights
-    already loaded; works before or after `pack_linears`); returns how many were replaced.
+    """Replace, in place, every linear layer the kernel can take by its quantized version (weights already
+    loaded; works before or after `pack_linears`); returns how many were replaced.
 
-    MoE routers stay fp32, and so does anything the kernels cannot take (the int4 kernel needs N % 16 == 0
-    and a group size dividing K, the int8 kernel K % 16 == 0). A head tied to the embedding gets its own
-    quantized copy; the embedding itself stays fp32 (a lookup reads one row per token). `lm_head=False`
-    keeps the LM head in fp32. Usable on a draft model on its own, independently of the target.
+    MoE routers stay fp32, and so does any weight the kernel cannot take (N % 16 != 0, or no group size
+    dividing K). `lm_head=None` follows `QUANTIZE_HEAD` (int4: quantized; int8: fp32). A head tied to the
+    embedding gets its own quantized copy; the embedding itself stays fp32 (a lookup reads one row per
+    token). Usable on a draft model on its own, independently of the target.
     """
     count = 0
     for names in list(quantizable_linears(model, mode, lm_head)):
