@@ -38,7 +38,7 @@ from tests.test_loader import write_tiny_gguf
 from tests.tiny_models import VOCAB
 
 MODES = ["int8", "int4"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def random_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -371,7 +371,7 @@ def test_engine_greedy_equals_plain_forward_greedy(mode, arch, tiny_model_dir):
     llm = tiny_llm(str(tiny_model_dir(arch)), quantization=mode)
     model = llm.engine.model
     assert any(isinstance(m, Int8Linear | Int4Linear) for m in model.modules())
-    batch = prompts(4)
+    batch = prompts(3)
     outs = llm.generate(batch, GREEDY)
     for prompt, out in zip(batch, outs):
         assert out.outputs[0].token_ids == plain_greedy(model, prompt, GREEDY.max_tokens)
@@ -459,3 +459,38 @@ def test_quantization_argument_is_checked():
         EngineConfig(model="m", quantization="fp8")
     args = build_parser().parse_args(["generate", "--quantization", "int8", "hi"])
     assert args.quantization == "int8"
+
+
+# ------------------------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+def test_real_qwen_is_read_quantized_from_its_gguf():
+    """Qwen2.5-Coder-1.5B: Q4_K layers map straight into int4 (the fp32 conversion is gguf's dequantization
+    of the same blocks), and int8 greedy output equals fp32's on chat prompts."""
+    from specserve.models.loader import iter_checkpoint_tensors
+
+    name = "qwen2.5-coder-1.5b"
+    try:
+        model_dir = resolve_model(name)
+    except SpecserveError as exc:
+        pytest.skip(f"local model {name} unavailable: {exc}")
+    if sgguf.gguf_source(model_dir) is None:
+        pytest.skip(f"the GGUF file {name} was converted from is gone")
+    wanted = {"model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"}  # Q4_K
+    dense = {k: v for k, v in iter_checkpoint_tensors(model_dir) if k in wanted}
+    model, _, _ = load_model(name, quantization="int4")
+    for key, weight in dense.items():
+        assert_int4_maps_blocks(model.get_submodule(key.removesuffix(".weight")), weight.numpy())
+    del model
+    questions = ("Write a Python function that merges two sorted lists.", "What does `yield` do?")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = []
+    for mode in (None, "int8"):
+        llm = LLM(name, quantization=mode, max_model_len=512, kv_cache_memory="256MiB")
+        chats = [
+            {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": q}])} for q in questions
+        ]
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(chats, params)])
+        del llm
+    assert outputs[0] == outputs[1]

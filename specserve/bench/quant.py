@@ -299,7 +299,12 @@ def run(args: argparse.Namespace) -> dict:
     windows = min(args.ppl_windows, len(text) // args.ppl_window)
     max_len = max(args.prompt_len + args.new_tokens, args.context + 16, args.ppl_window) + 16
     gguf_path = gguf_source(model_dir)
-    llama = LlamaCpp(str(gguf_path), threads, n_ctx=max_len + 16) if args.llama and gguf_path else None
+    llama = None
+    if args.llama and gguf_path:
+        try:
+            llama = LlamaCpp(str(gguf_path), threads, n_ctx=max_len + 16)
+        except ImportError:
+            print("llama-cpp-python is not installed (pip install 'specserve[bench]'): llama.cpp skipped")
     bandwidth = copy_bandwidth_gb_s()
     print(f"copy bandwidth {bandwidth:.1f} GB/s; llama.cpp: {gguf_path if llama else 'not run'}")
 

@@ -1,38 +1,52 @@
-"""Weight-only int8 / int4 linear layers on PyTorch's own packed CPU kernels, and `quantize_model`.
+"""Weight-only int8 / int4 linear layers on PyTorch's own int4 CPU kernel, and `quantize_model`.
 
-Formats (w is the fp32 weight, [out N, in K]):
-- int8: symmetric, one scale per output channel: w ~ q * s, q in [-127, 127]. Kernel:
-  `aten._weight_int8pack_mm(x, q [N, K] int8, s [N])`.
-- int4: asymmetric, one scale and zero per group of G inputs (G = 32 by default; the kernel takes 32, 64,
-  128, 256): w ~ (q - 8) * s + z, q in [0, 15]. Kernel: `aten._weight_int4pack_mm_for_cpu` on the weight
-  packed by `aten._convert_weight_to_int4pack_for_cpu`, scales and zeros interleaved as [K / G, N, 2].
+Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the kernel call):
+- int4: asymmetric, one scale and zero per group of G = 32 inputs (the kernel also takes 64, 128, 256):
+  w ~ (q - 8) * s + z, q in [0, 15]. Kernel: `aten._weight_int4pack_mm_for_cpu` on the weight packed by
+  `aten._convert_weight_to_int4pack_for_cpu`, scales and zeros interleaved as [K / G, N, 2].
+- int8: 8 bits per weight as two int4 planes of the same kernel: a coarse int4 plane and a plane for its
+  residual (G = 32), y = x W1^T + x W2^T. The residual spans one coarse step, so its plane resolves 1/15 of
+  it: the weight error is ~range / 450 per group of 32.
 
-Why bf16 activations inside the kernels: on x86 both kernels are vectorized (AVX-512 / AVX2) only for bf16
-inputs; their fp32 instantiations are the scalar reference loops, 4-30x slower than the fp32 oneDNN linear.
-The bf16 kernels still dequantize to fp32 and accumulate in fp32; only the layer's input and output are
-rounded to bf16 (2^-8 relative at most), an error below the weight quantization's own. Everything outside the
-linear layers (norms, attention, residual stream, logits softmax) stays fp32. Scales and zeros are stored
-in bf16 because the kernels read them in the activation dtype.
+Why not torch's int8 kernel (`aten._weight_int8pack_mm`): it has one scale per output channel, and rows
+with outlier weights lose most of their resolution. Relative weight error over Qwen2.5-Coder-1.5B's linear
+layers (median / worst layer): per-channel int8 1.2% / 4.8%, two int4 planes 0.21% / 0.67%, int4 4.4% /
+11%. Greedy agreement with fp32 over 64 tokens of 10 chat prompts (share of tokens before the first
+divergence): per-channel int8 76%, two planes 93%, two planes with the LM head left fp32 100%. Speed at
+M = 1 is about the same (table below), so int8 uses the planes.
 
-Measured on this machine (`python -m specserve.bench.quant kernels`: 2 threads, AVX-512, medians of
-interleaved rounds, weights cycled past the 32 MiB L3); speed relative to the fp32 oneDNN packed linear,
->1 is faster:
+Why bf16 activations inside the kernel: on x86 it is vectorized (AVX-512 / AVX2) only for bf16 inputs;
+its fp32 instantiation is the scalar reference loop (7x slower than the fp32 oneDNN linear at M = 1, 1536
+-> 8960; torch's int8 kernel likewise, 3.4x slower). It still dequantizes to fp32 and accumulates in fp32;
+only the layer's input and output are rounded to bf16 (2^-8 relative at most), and scales and zeros are
+stored in bf16 because it reads them in the activation dtype. Everything outside the linear layers (norms,
+attention, residual stream, softmax) stays fp32. The rounding of the output matters at one place, the LM
+head: logits of ~20 move by up to ~0.06, enough to reorder near ties (the 93% vs 100% above), so int8
+leaves the head in fp32 (`QUANTIZE_HEAD`); int4 quantizes it, for speed (it is 15% of the weights).
 
-    shape (K->N)       M:   1     2     4     8    16  |  64   256
-    int4 g32  1536->8960  3.9   3.4   2.4   1.5   1.0 | 0.80  0.75
-    int4 g128 1536->8960  4.1   3.6   2.5   1.6   1.0 | 0.82  0.77
-    int8      1536->8960  1.7   1.8   1.4   1.0   0.7 | 0.54  0.57
-    int4 g32  8960->1536  3.9   3.5   2.0   1.9   1.0
-    int4 g32  1536->151936 (lm head)  3.4  2.7  1.9  1.3  0.9
-    int8      1536->151936 (lm head)  1.7  1.5  1.1  0.8  0.5
-    fp32 kernels with fp32 activations (M = 1, 1536->8960): int8 0.28x, int4 0.14x (scalar loops)
+Kernel speed on this machine (`python -m specserve.bench.quant kernels`: 2 threads, AVX-512, medians of 7
+interleaved rounds, weights cycled past the 32 MiB L3), relative to the fp32 oneDNN packed linear (> 1 is
+faster), at M rows per call:
 
-Neither kernel reaches the memory roofline at M = 1 (int4 reads 0.5 B/weight, yet runs at ~6-7 GB/s of
-weight): both are bound by dequantization work on 2 cores, and the int4 kernel re-dequantizes its weight
-tile for every 4 rows, so its cost grows with M faster than oneDNN's fp32 GEMM. Each path was chosen by
-these numbers: int4 beats fp32 at every M up to 16 (and costs 0.75-0.8x at prefill sizes), so it is used
-for all M; int8 is faster than fp32 only up to M ~ 8 and is offered for its accuracy, not its speed. Both
-are batch invariant: a row's output does not depend on the other rows of the call.
+    layer (K -> N)            M:  1     2     4     8    16  |  64   256
+    gate/up 1536 -> 8960  int4   3.37  2.79  1.90  1.32  0.92 | 0.78  0.74   (0.83 ms at M = 1)
+                          int8   1.67  1.38  0.95  0.65  0.46 | 0.39  0.37
+           torch int8 (per-ch.)  1.79  1.60  1.25  0.88  0.63 | 0.55  0.62
+    down 8960 -> 1536     int4   3.45  2.85  1.89  1.39  0.94 | 0.77  0.75
+                          int8   1.70  1.40  0.94  0.68  0.47 | 0.40  0.38
+    q/o 1536 -> 1536      int4   3.22  2.79  1.96  1.40  0.99 | 0.81  0.75
+    lm head 1536 -> 151936 int4  3.19  2.56  1.87  1.29  0.91
+                          int8   1.58  1.28  0.94  0.64  0.45
+    int4 with G = 128 instead of 32: 4-9% faster; G = 32 is kept (it is GGUF Q4_0 / Q4_K's group).
+
+Neither path reaches the memory roofline at M = 1: int4 reads its 0.63 B/weight at ~10 GB/s, against ~20
+GB/s for fp32 oneDNN. The kernel is bound by dequantization work on 2 cores (a table lookup and two FMAs
+per weight, per block of 4 rows: its cost grows with M faster than oneDNN's GEMM). A kernel that keeps the
+weights in int4 and multiplies in integers (llama.cpp quantizes activations to 8 bits and uses VNNI dot
+products) is what would close the gap; torch has none for x86. Each path was chosen by these numbers: int4
+is faster than fp32 up to M = 8, about even at 16, 0.75-0.8x at prefill sizes, so it serves every M;
+int8 is faster up to M ~ 3 and is the accurate option. Both are batch invariant: a row's output does not
+depend on the other rows of the call (the tests check it), so greedy speculation stays exact.
 """
 
 from __future__ import annotations
