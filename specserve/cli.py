@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
@@ -18,7 +18,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--quantization", choices=["int8", "int4"], default=None, help="weight-only quantized linear layers"
+        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
     )
     parser.add_argument(
         "--speculative-config",

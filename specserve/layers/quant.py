@@ -5,8 +5,8 @@ Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the 
   w ~ (q - 8) * s + z, q in [0, 15]. Kernel: `aten._weight_int4pack_mm_for_cpu` on the weight packed by
   `aten._convert_weight_to_int4pack_for_cpu`, scales and zeros interleaved as [K / G, N, 2].
 - int8: 8 bits per weight as two int4 planes of the same kernel: a coarse int4 plane and a plane for its
-  residual (G = 32), y = x W1^T + x W2^T. The residual spans one coarse step, so its plane resolves 1/15 of
-  it: the weight error is ~range / 450 per group of 32.
+  residual (G = 32), y = x W1^T + x W2^T. The residual spans one coarse step, so its plane's step is 1/15
+  of that: range / 225 per group of 32, about an 8-bit grid per group.
 
 Why not torch's int8 kernel (`aten._weight_int8pack_mm`): it has one scale per output channel, and rows
 with outlier weights lose most of their resolution. Relative weight error over Qwen2.5-Coder-1.5B's linear
@@ -107,8 +107,8 @@ Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q, scales, zeros
 def quantize_int8(weight: torch.Tensor, group_size: int) -> tuple[Int4Plane, Int4Plane]:
     """8 bits per weight as two int4 planes: a coarse one, and one for what the coarse plane misses.
 
-    The residual of an int4 group spans about one coarse step, so its plane resolves 1/15 of that step:
-    about range / 450 per group, better than one 8-bit grid over the same range (range / 255)."""
+    The residual of an int4 group spans about one coarse step, so the residual plane's step is 1/15 of
+    it, range / 225 per group: about the resolution of an 8-bit grid on each group (range / 255)."""
     coarse = quantize_int4(weight, group_size)
     residual = weight.detach().float() - dequantize_int4(*coarse)
     return coarse, quantize_int4(residual, group_size)
