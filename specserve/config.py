@@ -173,36 +173,61 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-VERIFY_POLICIES = ("fixed",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3")
+# Methods whose `model` is a drafter checkpoint (DeepSpec format) that reads the target's hidden states.
+CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
+VERIFY_POLICIES = ("fixed", "threshold", "dspark", "dspark_async")
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding settings; the JSON keys are vLLM's (`--speculative-config '{...}'`)."""
+    """Speculative decoding settings; the JSON keys are vLLM's (`--speculative-config '{...}'`).
+
+    `num_speculative_tokens` defaults to 3 for ngram / draft_model and to the block size for DSpark-type
+    drafters. `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
+    `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`),
+    `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
+    file `cost_profile`, or one measured at start and cached).
+    """
 
     method: str
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None
     model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     verify_policy: str = "fixed"
+    confidence_threshold: float | None = None
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         _check(
             self.method in SPECULATIVE_METHODS,
             f"unknown speculative method {self.method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}",
         )
+        k = self.num_speculative_tokens
         _check(
-            isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
-            f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}",
+            k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
+            f"num_speculative_tokens must be an integer >= 1, got {k!r}",
         )
         _check(
             self.verify_policy in VERIFY_POLICIES,
             f"unknown verify_policy {self.verify_policy!r}; choose one of {', '.join(VERIFY_POLICIES)}",
         )
+        threshold = self.confidence_threshold
+        if self.verify_policy == "threshold":
+            _check(
+                isinstance(threshold, int | float) and not isinstance(threshold, bool) and 0 < threshold <= 1,
+                f"verify_policy 'threshold' needs confidence_threshold in (0, 1], got {threshold!r}",
+            )
+        else:
+            _check(threshold is None, "confidence_threshold is only used with verify_policy 'threshold'")
         if self.method == "draft_model":
             _check(bool(self.model), "method 'draft_model' needs 'model': the draft model's name or path")
+        if self.method in CHECKPOINT_DRAFTERS:
+            _check(
+                bool(self.model),
+                f"method {self.method!r} needs 'model': a drafter checkpoint directory or hub id",
+            )
         if self.method == "ngram":
             _check(
                 isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,

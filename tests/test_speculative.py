@@ -9,7 +9,7 @@ import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
 from specserve.spec.drafters.ngram import lookup
-from tests.tiny_models import VOCAB
+from tests.tiny_models import VOCAB, save_tiny_drafter
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -54,6 +54,129 @@ SPEC_CONFIGS = {
 }
 
 
+def greedy_bigram_bias(target_dir: str, strength: float = 30.0) -> torch.Tensor:
+    """[V, V] Markov bias pointing from each token to the target's greedy successor of that token alone:
+    a context-free guess, right only part of the time, so that drafts are both accepted and rejected."""
+    llm = LLM(target_dir, max_model_len=16)
+    outs = llm.generate([[t] for t in range(VOCAB)], SamplingParams(temperature=0.0, max_tokens=1))
+    successor = torch.tensor([o.outputs[0].token_ids[0] for o in outs])
+    return torch.nn.functional.one_hot(successor, VOCAB).float() * strength
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(tmp_path_factory, tiny_model_dir):
+    """(target arch, drafter kind) -> a saved DeepSpec-format drafter for that tiny target."""
+    cache = {}
+
+    def get(arch: str, kind: str) -> str:
+        if (arch, kind) not in cache:
+            target = str(tiny_model_dir(arch))
+            config = {
+                "vanilla": dict(markov_bias=greedy_bigram_bias(target)),
+                "gated": dict(markov_head_type="gated"),
+                "rnn": dict(markov_head_type="rnn", block_size=5),
+                "dflash": dict(markov_rank=0, confidence_head=False),
+                "eagle3": dict(eagle3=True, ttt_length=4),
+            }[kind]
+            directory = tmp_path_factory.mktemp(f"{arch}_{kind}")
+            cache[arch, kind] = str(save_tiny_drafter(target, directory, std=0.2, **config))
+        return cache[arch, kind]
+
+    return get
+
+
+DSPARK_CONFIGS = {
+    "dspark_vanilla": lambda d: {"method": "dspark", "model": d("qwen3", "vanilla")},
+    "dspark_vanilla_k2": lambda d: {
+        "method": "dspark",
+        "model": d("qwen3", "vanilla"),
+        "num_speculative_tokens": 2,
+    },
+    "dspark_gated": lambda d: {"method": "dspark", "model": d("qwen3", "gated")},
+    "dspark_rnn": lambda d: {"method": "dspark", "model": d("qwen3", "rnn")},
+    "dspark_threshold": lambda d: {
+        "method": "dspark",
+        "model": d("qwen3", "vanilla"),
+        "verify_policy": "threshold",
+        "confidence_threshold": 0.5,
+    },
+    "dspark_scheduled": lambda d: {
+        "method": "dspark",
+        "model": d("qwen3", "vanilla"),
+        "verify_policy": "dspark",
+    },
+    "dspark_async": lambda d: {
+        "method": "dspark",
+        "model": d("qwen3", "vanilla"),
+        "verify_policy": "dspark_async",
+    },
+    "dflash": lambda d: {"method": "dflash", "model": d("qwen3", "dflash")},
+    "eagle3": lambda d: {"method": "eagle3", "model": d("qwen3", "eagle3")},
+}
+
+
+@pytest.mark.parametrize("name", list(DSPARK_CONFIGS))
+def test_dspark_greedy_equals_greedy_decoding(
+    name, target_dir, reference, drafter_dirs, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))  # the scheduled policies profile the engine here
+    prompts, expected = reference
+    llm = LLM(
+        target_dir, max_model_len=256, max_num_seqs=4, speculative_config=DSPARK_CONFIGS[name](drafter_dirs)
+    )
+    observed = record_observe(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    if "vanilla" in name:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes were exercised
+    check_context_bookkeeping(observed)
+    if name != "dflash" and name != "eagle3":  # a confidence head: live calibration and the step log
+        assert sum(llm.engine.calibration.samples_per_position()) > 0
+        assert all(sum(r.budgets) + len(r.budgets) <= r.batch_tokens for r in llm.engine.step_log)
+    if "scheduled" in name or "async" in name:
+        assert list(tmp_path.glob("profiles/*.json")) and list(tmp_path.glob("profiles/*.png"))
+    drafter = llm.engine.drafter
+    assert drafter.states == {} and drafter.blocks.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "qwen2", "qwen3_moe"])
+def test_hidden_state_drafters_on_other_targets(arch, tiny_model_dir, drafter_dirs):
+    target = str(tiny_model_dir(arch))
+    prompts = repetitive_prompts(4, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(target, max_model_len=128).generate(prompts, params)]
+    for kind, method in (("vanilla", "dspark"), ("dflash", "dflash"), ("eagle3", "eagle3")):
+        spec = {"method": method, "model": drafter_dirs(arch, kind)}
+        llm = LLM(target, max_model_len=128, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, kind
+
+
+def record_observe(llm) -> list:
+    """Wrap the drafter's observe: (request id, start, rows, drafts verified, accepted) per call."""
+    drafter, calls = llm.engine.drafter, []
+    real = drafter.observe
+
+    def observe(seq, start, features):
+        calls.append((seq.request_id, start, features.shape[0], seq.num_computed_tokens))
+        real(seq, start, features)
+
+    drafter.observe = observe
+    return calls
+
+
+def check_context_bookkeeping(calls) -> None:
+    """Pitfall 8: the drafter gets every position exactly once and in order (prompt rows, then anchor +
+    accepted drafts of each verification), and never a row beyond what the target cache holds."""
+    next_row: dict[str, int] = {}
+    for request_id, start, rows, computed in calls:
+        assert start == next_row.get(request_id, 0)
+        assert start + rows == computed
+        next_row[request_id] = start + rows
+
+
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
 def test_greedy_speculation_equals_greedy_decoding(name, target_dir, reference, tiny_model_dir):
     prompts, expected = reference
@@ -80,6 +203,13 @@ def test_stops_and_max_tokens_inside_accepted_drafts(target_dir, reference, tiny
     for out, full, stop in zip(outs, expected, stop_ids):
         assert out.outputs[0].token_ids == full[: full.index(stop) + 1]
         assert out.outputs[0].stop_reason == stop
+    # Every draft is accepted: output token i > 0 comes from round ceil(i / 5) (4 drafts + bonus). A round
+    # that ends on an accepted stop token counts up to the stop, with no bonus token (DeepSpec's tau).
+    stops = [full.index(stop) for full, stop in zip(expected, stop_ids)]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts == sum(-(-s // 5) for s in stops)
+    assert stats.mean_acceptance_length == sum(stops) / stats.num_drafts
+    assert stats.num_accepted_tokens == sum(stops) - sum(s // 5 for s in stops)
     for max_tokens in (1, 2, 3, 7):
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == [e[:max_tokens] for e in expected]

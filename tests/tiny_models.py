@@ -74,3 +74,90 @@ def save_tiny_model(arch: str, directory: Path) -> Path:
     model.generation_config.eos_token_id = None  # random models hit eos by chance; tests pass ignore_eos
     model.save_pretrained(directory)
     return directory
+
+
+def save_tiny_drafter(
+    target_dir: Path,
+    directory: Path,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    head_scale: float | None = None,
+    markov_bias: torch.Tensor | None = None,
+    eagle3: bool = False,
+    **config,
+) -> Path:
+    """A random DSpark/DFlash drafter for a saved tiny target, in DeepSpec's checkpoint format.
+
+    `config` goes to `new_draft_config` (defaults here: 1 layer, B = 4, rank 8, vanilla head, confidence).
+    `head_scale` gives the drafter its own LM head, the target's times that factor (flatter drafts);
+    `markov_bias` [V, V] plants a vanilla Markov head whose bias after token p is markov_bias[p]
+    (rank V, W1 = identity), e.g. a bigram table of the target, so that drafts are often right.
+    `eagle3` makes an EAGLE-3 drafter instead (`config` then goes to `new_eagle3_config`).
+    """
+    from specserve.models.loader import load_model
+    from specserve.spec.deepspec.checkpoint import (
+        build_draft_model,
+        init_draft_weights,
+        save_draft_checkpoint,
+    )
+    from specserve.spec.deepspec.config import new_draft_config, new_eagle3_config
+
+    target, target_config, _ = load_model(str(target_dir))
+    vocab = target_config.vocab_size
+    defaults = dict(num_layers=1, block_size=4, markov_rank=8, mask_token_id=vocab - 1)
+    if markov_bias is not None:
+        defaults["markov_rank"] = vocab
+    if eagle3:
+        draft_config = new_eagle3_config(target_config, **config)
+    else:
+        draft_config = new_draft_config(target_config, **{**defaults, **config})
+    draft = build_draft_model(draft_config)
+    init_draft_weights(draft, target, seed=seed, std=std)
+    with torch.no_grad():
+        if head_scale is not None:
+            weight = draft.lm_head.weight * head_scale
+            draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            draft.lm_head.weight.copy_(weight)
+        if markov_bias is not None:
+            draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+            draft.markov_head.markov_w2.weight.copy_(markov_bias.T)
+    return save_draft_checkpoint(draft, directory)
+
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4, as the configs say
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_byte_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer that fits the tiny vocabulary, with a chat template, saved into `directory`.
+
+    Ids 0-4 are the special tokens; every other id is the byte of that value (bytes 0-4 cannot be
+    written, which no test text needs), so any text encodes and every generated id decodes.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(len(SPECIAL_TOKENS), VOCAB)}
+    vocab.update({token: i for i, token in enumerate(SPECIAL_TOKENS)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_chat_model(arch: str, directory: Path) -> Path:
+    """A tiny random model with the byte tokenizer beside it: text prompts and chat work."""
+    save_tiny_model(arch, directory)
+    return save_byte_tokenizer(directory)

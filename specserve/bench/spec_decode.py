@@ -24,14 +24,9 @@ from specserve.llm import LLM
 
 def load_eval_prompts(path: Path, limit: int) -> list[str]:
     """First user turn of the first `limit` rows of a DeepSpec eval file (`{"turns": [...]}` per line)."""
-    prompts = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                prompts.append(json.loads(line)["turns"][0])
-            if len(prompts) == limit:
-                break
-    return prompts
+    from specserve.train.data import read_prompts
+
+    return read_prompts(path)[:limit]
 
 
 @dataclass

@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,8 +22,12 @@ from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import SamplingBatch, sample
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
+from specserve.spec.calibration import LiveCalibration, VerificationRecords
+from specserve.spec.cost_model import CostProfile, cache_path, engine_key, profile_engine
 from specserve.spec.drafters import build_drafter
-from specserve.spec.metrics import SpecStats
+from specserve.spec.drafters.base import DraftProposal
+from specserve.spec.metrics import SpecStats, StepRecord
+from specserve.spec.planner import Plan, build_planner, survival
 from specserve.spec.rejection import build_verify_batch, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -72,6 +77,10 @@ class LLMEngine:
         num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
             self.model, config.block_size, config.torch_dtype
         )
+        # Never more than the running batch can fill: every sequence at max_model_len (plus a block of
+        # verification slack). The cache is allocated (and zeroed) up front, so this saves real memory.
+        per_sequence = -(-self.max_model_len // config.block_size) + 1
+        num_blocks = min(num_blocks, config.max_num_seqs * per_sequence)
         if num_blocks * config.block_size < self.max_model_len:
             raise SpecserveError(
                 f"kv_cache_memory={config.kv_cache_memory!r} holds {num_blocks * config.block_size} tokens, "
@@ -88,6 +97,11 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.from_value(speculative_config)
         self.spec_stats = SpecStats()
         self.drafter = build_drafter(self.spec_config, self) if self.spec_config else None
+        self.planner = build_planner(self.spec_config, self._cost_profile()) if self.spec_config else None
+        self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
+        self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
+        self.verification_records: VerificationRecords | None = None  # set to collect STS data
+        self._planned: Plan | None = None
 
     # ---- requests -------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
@@ -176,27 +190,81 @@ class LLMEngine:
             if piece.seq.metrics.first_scheduled_time is None:
                 piece.seq.metrics.first_scheduled_time = now
         start = time.perf_counter()
-        results = self._run(plan)
+        results, features = self._run(plan)
         if any(p.num_drafts for p in plan.pieces):
             self.spec_stats.verification_s += time.perf_counter() - start
         updates = []
+        row = 0
         for piece, (tokens, num_accepted, logprobs) in zip(plan.pieces, results):
             seq = piece.seq
             seq.num_computed_tokens += piece.num_tokens + num_accepted
-            seq.draft = None
             if piece.num_drafts:
-                seq.spec_stats.record(piece.num_drafts, num_accepted)
-                self.spec_stats.record(piece.num_drafts, num_accepted)
+                self._record_verification(seq.draft.truncate(piece.num_drafts), num_accepted)
+            seq.draft = None
+            emitted = 0  # fewer than len(tokens) when a stop condition ends the request inside the round
             for i, token in enumerate(tokens):
                 self._append_token(seq, token, logprobs[i] if logprobs else None)
+                emitted += 1
                 if seq.is_finished:
                     break
+            if piece.num_drafts:
+                # A stop inside the accepted drafts truncates the round there (DeepSpec's accounting).
+                accepted = min(num_accepted, emitted)
+                seq.spec_stats.record(piece.num_drafts, accepted, emitted)
+                self.spec_stats.record(piece.num_drafts, accepted, emitted)
             if tokens:
                 updates.append(self._output(seq))
+            if features is not None and not seq.is_finished:
+                # The drafter's next context: the rows now in the target's cache, never rejected drafts.
+                kept = piece.num_tokens + num_accepted
+                self.drafter.observe(seq, piece.start, features[row : row + kept])
+            row += piece.num_query_tokens
             if piece.num_drafts and not seq.is_finished:
                 # Roll back by length: blocks past the verified tokens go back to the free list.
                 self.block_manager.shrink(seq, seq.num_tokens)
+        if self._planned is not None:
+            self.step_log.append(
+                StepRecord(
+                    budgets=self._planned.lengths,
+                    batch_tokens=plan.num_tokens,
+                    expected_accepted=self._planned.expected_accepted,
+                    accepted=sum(r[1] for r, p in zip(results, plan.pieces) if p.num_drafts),
+                )
+            )
+            self._planned = None
         return updates
+
+    def _record_verification(self, draft: DraftProposal, num_accepted: int) -> None:
+        """Live calibration (and STS records when collecting) from one verified proposal."""
+        if draft.confidences is None:
+            return
+        self.calibration.record(survival(draft), num_accepted)
+        if self.verification_records is not None:
+            self.verification_records.add(torch.logit(draft.confidences.double(), eps=1e-12), num_accepted)
+
+    def _cost_profile(self) -> CostProfile | None:
+        """The SPS table the scheduled verify policies need: the configured file, else the cached
+        measurement for this model / dtype / threads / drafter, else measured now (and cached)."""
+        if self.spec_config.verify_policy not in ("dspark", "dspark_async"):
+            return None
+        if self.spec_config.cost_profile:
+            return CostProfile.load(self.spec_config.cost_profile)
+        key = engine_key(self, self.spec_config.model)
+        path = cache_path(key)
+        if path.is_file():
+            return CostProfile.load(path)
+        logger.info("measuring the cost profile (cached in %s)", path)
+        profile = profile_engine(self, self.config.max_num_batched_tokens)
+        profile.meta.update(key)
+        profile.save(path)
+        profile.plot(path.with_suffix(".png"))
+        return profile
+
+    def _pending_prefill_tokens(self) -> int:
+        """Prompt tokens the next step will likely carry beside the decode pieces (for the planner)."""
+        pending = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
+        pending += sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
+        return min(pending, self.config.max_num_batched_tokens)
 
     def _propose(self) -> None:
         """Drafts for every running sequence whose next step is a decode step (one token not yet cached)."""
@@ -204,16 +272,24 @@ class LLMEngine:
         if not decoding:
             return
         start = time.perf_counter()
-        proposals = self.drafter.propose(decoding, self.spec_config.num_speculative_tokens)
+        num_tokens = self.spec_config.num_speculative_tokens or self.drafter.default_num_tokens
+        proposals = self.drafter.propose(decoding, num_tokens)
         self.spec_stats.drafting_s += time.perf_counter() - start
+        capped = []
         for seq, proposal in zip(decoding, proposals):
             # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
             room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-            proposal = proposal.truncate(max(0, room))
+            capped.append(proposal.truncate(max(0, room)))
+        self._planned = self.planner.plan(capped, len(decoding) + self._pending_prefill_tokens())
+        for seq, proposal, length in zip(decoding, capped, self._planned.lengths):
+            proposal = proposal.truncate(length)
             seq.draft = proposal if proposal.token_ids else None
 
-    def _run(self, plan: SchedulerOutput) -> list[tuple[list[int], int, list[dict] | None]]:
-        """One target forward; per piece the new tokens, how many drafts were accepted, and logprobs."""
+    def _run(
+        self, plan: SchedulerOutput
+    ) -> tuple[list[tuple[list[int], int, list[dict] | None]], torch.Tensor | None]:
+        """One target forward; per piece the new tokens, how many drafts were accepted, and logprobs; plus
+        the drafter's target features of every row ([N, n_f * H]) when it reads any."""
         inputs, rows = [], []
         offset = 0
         for piece in plan.pieces:
@@ -221,7 +297,10 @@ class LLMEngine:
             offset += piece.num_query_tokens
             if piece.reaches_end:
                 rows.extend(range(offset - piece.num_drafts - 1, offset))
-        logits = self.runner.forward(inputs, rows).logits
+        layers = self.drafter.capture_layers if self.drafter is not None else ()
+        out = self.runner.forward(inputs, rows, capture_layers=layers)
+        logits = out.logits
+        features = torch.cat([out.captured[i] for i in layers], dim=-1) if layers else None
         results: list[tuple[list[int], int, list[dict] | None]] = [([], 0, None)] * len(plan.pieces)
         plain = [i for i, p in enumerate(plan.pieces) if p.reaches_end and not p.num_drafts]
         verify = [i for i, p in enumerate(plan.pieces) if p.num_drafts]
@@ -243,7 +322,7 @@ class LLMEngine:
             )
             for i, result in zip(verify, self._verify([plan.pieces[i] for i in verify], logits[rows_v])):
                 results[i] = result
-        return results
+        return results, features
 
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor

@@ -52,6 +52,7 @@ class PieceGroup:
     query_pos: torch.Tensor  # [G, Q] absolute position of each query slot
     kv_index: torch.Tensor  # [G, L] flat cache slot of key j of each piece (0 where padding)
     kv_len: torch.Tensor  # [G] keys available to each piece (cached + new)
+    causal: bool = True  # False: every query sees all of its sequence's keys (DSpark's draft blocks)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -60,13 +61,26 @@ class PieceGroup:
             key_pos = torch.arange(self.kv_index.shape[1])
             q = self.query_pos[:, :, None]
             k = key_pos[None, None, :]
-            allowed = (k <= q) & (k < self.kv_len[:, None, None])
+            allowed = (k < self.kv_len[:, None, None]) & ((k <= q) | (not self.causal))
             if sliding_window is not None:
                 allowed &= k > q - sliding_window
             # Padded query slots attend key 0 so that softmax stays finite; their output is dropped.
             allowed |= (~self.row_valid[:, :, None]) & (k == 0)
             self._masks[sliding_window] = allowed[:, None]
         return self._masks[sliding_window]
+
+
+def padded_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """[P, max blocks] long, zero-padded."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+
+
+def slot_mapping(
+    tables: torch.Tensor, table_of_row: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Flat cache slot of each row: row r is at positions[r] of the sequence with table table_of_row[r]."""
+    return tables[table_of_row, positions // block_size] * block_size + positions % block_size
 
 
 @dataclass
@@ -79,6 +93,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # [P] the sequence's cache blocks, in position order
     positions: torch.Tensor  # [N] absolute position of each new token
     block_size: int
+    causal: bool = True
     groups: list[PieceGroup] = field(default_factory=list)
 
     @classmethod
@@ -89,13 +104,13 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         positions: torch.Tensor,
         block_size: int,
+        causal: bool = True,
     ) -> AttentionMetadata:
         num_pieces = len(context_lens)
         q_lens = [query_start[p + 1] - query_start[p] for p in range(num_pieces)]
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        tables = padded_block_tables(block_tables)
         piece_of_token = torch.repeat_interleave(torch.arange(num_pieces), torch.tensor(q_lens))
-        slots = tables[piece_of_token, positions // block_size] * block_size + positions % block_size
+        slots = slot_mapping(tables, piece_of_token, positions, block_size)
         meta = cls(
             slot_mapping=slots,
             query_start=query_start,
@@ -103,6 +118,7 @@ class AttentionMetadata:
             block_tables=block_tables,
             positions=positions,
             block_size=block_size,
+            causal=causal,
         )
         short = [p for p in range(num_pieces) if q_lens[p] <= BATCHED_PIECE_MAX_LEN]
         long = [p for p in range(num_pieces) if q_lens[p] > BATCHED_PIECE_MAX_LEN]
@@ -131,6 +147,7 @@ class AttentionMetadata:
             query_pos=self.positions[rows],
             kv_index=kv_index,
             kv_len=kv_len,
+            causal=self.causal,
         )
 
 

@@ -48,6 +48,14 @@ class CausalLM(nn.Module):
     def cache_specs(self) -> list[LayerCacheSpec]:
         raise NotImplementedError
 
+    def input_embedding(self) -> nn.Embedding:
+        """The token embedding table (unscaled); drafters share it instead of holding a copy."""
+        return self.model.embed_tokens
+
+    def output_layer(self) -> nn.Module:
+        """The module mapping final hidden states to raw logits (before any softcap); drafters share it."""
+        return self.lm_head
+
     def checkpoint_name_map(self, name: str) -> str | None:
         """Our parameter name for a checkpoint tensor name, or None to skip it. Override to rename."""
         return name

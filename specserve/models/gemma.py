@@ -292,6 +292,14 @@ class GemmaForCausalLM(CausalLM):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
+    def output_layer(self) -> nn.Module:
+        if not self.tied:
+            return self.lm_head
+        embed = self.model.embed_tokens.weight
+        layer = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+        layer.weight = embed  # a view of the tied embedding, not a copy
+        return layer
+
     def cache_specs(self) -> list[LayerCacheSpec]:
         return [
             LayerCacheSpec(

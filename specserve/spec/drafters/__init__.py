@@ -16,6 +16,14 @@ def build_drafter(config: SpeculativeConfig, target) -> Drafter:
         from specserve.spec.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_config(config, target)
+    if config.method in ("dspark", "dflash"):
+        from specserve.spec.drafters.dspark import DSparkDrafter
+
+        return DSparkDrafter.from_config(config, target)
+    if config.method == "eagle3":
+        from specserve.spec.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.from_config(config, target)
     raise ValueError(f"no drafter for method {config.method!r}")
 
 

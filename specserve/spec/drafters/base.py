@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.sequence import Sequence
+from specserve.layers.sampler import SamplingBatch, draw_exponential, target_probs
 
 
 @dataclass
@@ -14,15 +15,31 @@ class DraftProposal:
     """Draft tokens d1..dk for one request and the distributions they were drawn from.
 
     `probs` is [k, V] (the exact q rows, after the request's sampling transforms) for model drafters, or
-    None for deterministic drafters (a point mass on each drafted token).
+    None for deterministic drafters (a point mass on each drafted token). `confidences` [k], when the
+    drafter has a confidence head, estimates P(d_i accepted | d_1..d_{i-1} accepted).
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
 
     def truncate(self, k: int) -> DraftProposal:
         """The first k drafts: whether a draft is verified may depend only on what came before it."""
-        return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k])
+        return DraftProposal(
+            self.token_ids[:k],
+            None if self.probs is None else self.probs[:k],
+            None if self.confidences is None else self.confidences[:k],
+        )
+
+    def slot_confidences(self) -> torch.Tensor:
+        """Per-draft survival estimates for verify policies: the confidence head's where there is one,
+        else the draft probability of each drafted token (a model drafter's own belief), else 1 (a
+        deterministic lookup has no belief to offer)."""
+        if self.confidences is not None:
+            return self.confidences
+        if self.probs is not None:
+            return self.probs[torch.arange(len(self.token_ids)), torch.tensor(self.token_ids)]
+        return torch.ones(len(self.token_ids))
 
 
 class Drafter:
@@ -31,10 +48,41 @@ class Drafter:
     The drafter owns its state (KV cache, lookup tables). It learns what the target accepted from the
     sequences themselves: their token lists only ever grow by verified tokens, so whatever the drafter
     computed for tokens that are not a prefix of the sequence any more is rolled back.
+
+    Drafters conditioned on the target's hidden states name the layers in `capture_layers`; after every
+    target forward the engine calls `observe` with those layers' outputs (concatenated) for exactly the
+    rows that were kept: prompt rows, and the anchor plus accepted drafts of a verification.
     """
+
+    capture_layers: tuple[int, ...] = ()
+    default_num_tokens: int = 3
 
     def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
         raise NotImplementedError
 
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """Target features [n, n_f * H] of `seq`'s positions start..start+n-1 (only with capture_layers)."""
+
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: drop whatever the drafter holds for it."""
+
+
+def sample_drafts(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    drafted: list[list[int]],
+    vocab_size: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, list[int]]:
+    """One draft token per sequence from `logits` [R, V] under each request's own sampling parameters
+    (penalties count the drafts so far as emitted); returns the exact q rows [R, V] and the tokens."""
+    batch = SamplingBatch.build(
+        [s.params for s in seqs],
+        [s.prompt_token_ids for s in seqs],
+        [s.output_token_ids + d for s, d in zip(seqs, drafted)],
+        vocab_size,
+        [s.generator for s in seqs],
+        generator=generator,
+    )
+    q = target_probs(logits, batch)
+    return q, (q / draw_exponential(batch, q.shape[1])).argmax(dim=-1).tolist()

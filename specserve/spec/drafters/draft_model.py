@@ -16,9 +16,8 @@ from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.engine.sequence import Sequence
-from specserve.layers.sampler import SamplingBatch, draw_exponential, target_probs
 from specserve.models.loader import load_model
-from specserve.spec.drafters.base import Drafter, DraftProposal
+from specserve.spec.drafters.base import Drafter, DraftProposal, sample_drafts
 
 
 @dataclass
@@ -88,16 +87,7 @@ class DraftModelDrafter(Drafter):
                 state.fed = tokens
             rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
             logits = self.runner.forward(pieces, rows.tolist()).logits
-            batch = SamplingBatch.build(
-                [s.params for s in seqs],
-                [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids + d for s, d in zip(seqs, drafted)],
-                self.vocab_size,
-                [s.generator for s in seqs],
-                generator=self.generator,
-            )
-            q = target_probs(logits, batch)
-            tokens = (q / draw_exponential(batch, q.shape[1])).argmax(dim=-1).tolist()
+            q, tokens = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             for i, token in enumerate(tokens):
                 drafted[i].append(token)
                 q_rows[i].append(q[i])

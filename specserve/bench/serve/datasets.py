@@ -1,0 +1,110 @@
+"""Benchmark prompts as token ids, so every prompt's length is known exactly and the server never
+re-tokenizes.
+
+- `random`: ids drawn uniformly from the vocabulary, special and added tokens left out (the seed's setting:
+  8192 random input tokens). Needs only the vocabulary: the tokenizer, or config.json without one.
+- `eval:FILE`: DeepSpec eval prompts (`{"turns": [...]}` per line), the first turn through the chat template.
+- `jsonl:FILE`: one object per line, `{"prompt": "text"}` (tokenized as is, no chat template) or
+  `{"prompt_token_ids": [...]}`, with an optional `"output_len"` that overrides the run's.
+
+File datasets keep their prompts' own lengths; when more prompts are asked for than a file has, its rows
+repeat.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.config import SpecserveError
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+class Vocabulary:
+    """The tokenizer of a model (None when it has none) and the ids random prompts may use."""
+
+    def __init__(self, model: str):
+        from specserve.models.loader import load_hf_config, load_tokenizer, resolve_model
+
+        model_dir = resolve_model(model)
+        self.tokenizer = load_tokenizer(model_dir)
+        if self.tokenizer is not None:
+            added = set(self.tokenizer.added_tokens_decoder)
+            self.random_ids = [i for i in range(len(self.tokenizer)) if i not in added]
+        else:
+            self.random_ids = list(range(load_hf_config(model_dir).get_text_config().vocab_size))
+
+    def encode_chat(self, text: str) -> list[int]:
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise SpecserveError("eval datasets need a tokenizer with a chat template (see --tokenizer)")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        # transformers 5 returns a BatchEncoding here, older versions a plain list.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise SpecserveError("text prompts need a tokenizer (see --tokenizer)")
+        return self.tokenizer(text).input_ids
+
+
+def build_requests(
+    dataset: str, num_prompts: int, vocabulary: Vocabulary, input_len: int, output_len: int, seed: int = 0
+) -> list[BenchRequest]:
+    """`num_prompts` requests from `dataset` ('random', 'eval:FILE' or 'jsonl:FILE')."""
+    kind, _, path = dataset.partition(":")
+    if kind == "random" and not path:
+        rng = random.Random(seed)
+        ids = vocabulary.random_ids
+        return [BenchRequest(rng.choices(ids, k=input_len), output_len) for _ in range(num_prompts)]
+    if kind == "eval" and path:
+        rows = _read_jsonl(Path(path))
+        if any(not isinstance(row.get("turns"), list) or not row["turns"] for row in rows):
+            raise SpecserveError(f"{path}: eval files hold {{'turns': [...]}} per line")
+        prompt_ids = lambda row: vocabulary.encode_chat(row["turns"][0])
+    elif kind == "jsonl" and path:
+        rows = _read_jsonl(Path(path))
+        prompt_ids = lambda row: _prompt_ids(row, vocabulary, path)
+    else:
+        raise SpecserveError(f"dataset {dataset!r}: expected random, eval:FILE or jsonl:FILE")
+    if not rows:
+        raise SpecserveError(f"dataset {dataset!r} has no prompts")
+    return [
+        BenchRequest(prompt_ids(row), int(row.get("output_len", output_len)))
+        for row in itertools.islice(itertools.cycle(rows), num_prompts)
+    ]
+
+
+def _prompt_ids(row: dict, vocabulary: Vocabulary, path: str) -> list[int]:
+    if "prompt_token_ids" in row:
+        return list(row["prompt_token_ids"])
+    if "prompt" in row:
+        return vocabulary.encode(row["prompt"])
+    raise SpecserveError(f"{path}: each line needs 'prompt' or 'prompt_token_ids', got keys {sorted(row)}")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise SpecserveError(f"cannot read dataset {path}: {exc.strerror}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecserveError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise SpecserveError(f"{path}:{number}: each line must be a JSON object")
+        rows.append(row)
+    return rows

@@ -1,0 +1,221 @@
+"""The FastAPI application: OpenAI routes, health and metrics, API-key check, and OpenAI-style errors.
+
+Every error a client can cause answers with an OpenAI error body naming the problem: bad JSON, wrong
+types, out-of-range values and invalid prompts are 400, a missing or wrong API key 401, an unknown model
+or route 404, a full queue 429 (with Retry-After), a draining server 503, and an engine failure inside one
+request 500 for that request only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specserve.config import SpecserveError
+from specserve.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
+from specserve.server.generation import ChatGeneration, CompletionGeneration, Generation
+from specserve.server.metrics import ServerMetrics, outcome_of_status
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+)
+from specserve.server.serving import serve_generation
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+_ERROR_DOCS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+_STREAM_DOC = {
+    "description": "the response; with stream: true, server-sent events of chunks, then `data: [DONE]`",
+    "content": {
+        "text/event-stream": {
+            "schema": {  # one event (OpenAPI 3.1 reading): its data is a JSON chunk, or "[DONE]" at the end
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string"}},
+            }
+        }
+    },
+}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    error = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "internal_server_error"))
+    return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=status, headers=headers)
+
+
+def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server for `async_engine`, answering to `model_name`; its lifespan starts and stops the engine."""
+    metrics = ServerMetrics(lambda: async_engine.snapshot)
+    tokenizer = async_engine.engine.tokenizer
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="specserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    _add_error_handlers(app, metrics)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key, metrics=metrics)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise HTTPException(404, f"model {model!r} is not served here; this server serves {model_name!r}")
+
+    async def generate(generation: Generation, request: Request) -> Response:
+        if generation.body.model_extra:
+            logger.info(
+                "%s: ignoring unsupported fields %s", generation.id, sorted(generation.body.model_extra)
+            )
+        return await serve_generation(generation, async_engine, request, metrics)
+
+    v1 = APIRouter(prefix="/v1", responses=_ERROR_DOCS)
+
+    @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAM_DOC})
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await generate(CompletionGeneration(body, model_name, tokenizer), request)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAM_DOC})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await generate(ChatGeneration(body, model_name, tokenizer), request)
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        card = ModelCard(id=model_name, created=started, max_model_len=async_engine.engine.max_model_len)
+        return ModelList(data=[card])
+
+    app.include_router(v1)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Health:
+        if async_engine.draining:
+            raise HTTPException(503, "the server is shutting down")
+        if not async_engine.is_alive:
+            raise HTTPException(503, "the engine loop is not running")
+        return Health()
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def fail(
+        request: Request, status: int, message: str, headers: dict | None = None, counted: bool = False
+    ) -> JSONResponse:
+        if request.url.path.startswith("/v1/") and not counted:
+            metrics.count(outcome_of_status(status))
+        logger.info("%s %s -> %d: %s", request.method, request.url.path, status, message)
+        return error_response(status, message, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return fail(request, 400, _describe_validation_errors(exc))
+
+    @app.exception_handler(SpecserveError)
+    async def invalid_arguments(request: Request, exc: SpecserveError) -> JSONResponse:
+        return fail(request, 400, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return fail(request, exc.status_code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(EngineOverloaded)
+    async def overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:
+        return fail(request, 429, f"{exc}; retry later", {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineUnavailable)
+    async def unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
+        return fail(request, 503, str(exc))
+
+    @app.exception_handler(RequestFailed)
+    async def failed(request: Request, exc: RequestFailed) -> JSONResponse:
+        return fail(request, 500, str(exc), counted=True)  # serve_generation recorded it, with its tokens
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this answer goes out.
+        return fail(request, 500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+_NOT_FIELDS = {"body", "str", "int", "float", "bool"}
+
+
+def _describe_validation_errors(exc: RequestValidationError) -> str:
+    """'temperature: Input should be less than or equal to 2; ...', one clause per field."""
+    by_field: dict[str, list[dict]] = {}
+    for error in exc.errors():
+        # Drop the body's own location and the names pydantic gives union members ('str', 'list[...]').
+        parts = [p for p in error["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _NOT_FIELDS)]
+        by_field.setdefault(".".join(map(str, parts)), []).append(error)
+    clauses = []
+    for field, errors in by_field.items():
+        # For a union, a member's specific complaint (too short, too big) beats "not a list" from the others.
+        specific = [e for e in errors if not e["type"].endswith("_type")] or errors
+        messages = list(dict.fromkeys(_message(e, field) for e in specific))
+        clauses.append(f"{field}: {' or '.join(messages)}" if field else "; ".join(messages))
+    return "; ".join(clauses) or "invalid request"
+
+
+def _message(error: dict, field: str) -> str:
+    if error["type"] == "json_invalid":
+        return f"the body is not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
+    if not field and error["type"] in ("model_attributes_type", "dict_type"):
+        return "the body must be a JSON object, sent with Content-Type: application/json"
+    return error["msg"]
+
+
+class ApiKeyCheck:
+    """Answers 401 to /v1 requests without `Authorization: Bearer <key>`, before their body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            self._metrics.count("unauthorized")
+            response = error_response(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self._expected)

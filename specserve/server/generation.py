@@ -1,0 +1,248 @@
+"""One generation request (completions or chat): the engine requests it makes, and the OpenAI objects
+(full responses or stream chunks) it builds from engine updates.
+
+A request with `n` choices (and, for completions, several prompts) becomes one engine request per choice:
+choice `i * n + j` is prompt i's j-th sample, seeded with `seed + j` when a seed is given, so a seeded
+request gives the same text whether it asks for one choice or many.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel
+
+from specserve.config import SamplingParams, SpecserveError
+from specserve.engine.engine import PromptType
+from specserve.server.async_engine import EngineRequest, EngineUpdate
+from specserve.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from specserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    SamplingFields,
+    Usage,
+)
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, choice: int
+) -> SamplingParams:
+    """The engine's parameters for choice `choice` (its seed is offset by it); SpecserveError if invalid."""
+
+    def given(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        temperature=given(body.temperature, 1.0),
+        top_p=given(body.top_p, 1.0),
+        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        min_p=given(body.min_p, 0.0),
+        repetition_penalty=given(body.repetition_penalty, 1.0),
+        presence_penalty=given(body.presence_penalty, 0.0),
+        frequency_penalty=given(body.frequency_penalty, 0.0),
+        seed=None if body.seed is None else body.seed + choice,
+        max_tokens=max_tokens,
+        stop=given(body.stop, []),
+        stop_token_ids=given(body.stop_token_ids, []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+class Generation:
+    """What both endpoints share: ids, usage, and the latest update of every choice."""
+
+    id_prefix = "gen"
+
+    def __init__(self, body: SamplingFields, model_name: str, tokenizer):
+        self.body = body
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_name = model_name
+        self.text_of = TokenText(tokenizer, as_ids=body.return_tokens_as_token_ids)
+        self.latest: dict[int, EngineUpdate] = {}  # the handler records each update here
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    @property
+    def include_usage(self) -> bool:
+        return self.body.stream_options is not None and self.body.stream_options.include_usage
+
+    def usage(self) -> Usage:
+        # Choices of one prompt share it: count each prompt once.
+        prompt = sum(u.num_prompt_tokens for i, u in self.latest.items() if i % self.body.n == 0)
+        completion = sum(len(u.output.token_ids) for u in self.latest.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return []
+
+    @staticmethod
+    def _new_tokens(update: EngineUpdate) -> tuple[list[int], list[dict[int, float]]]:
+        """The tokens this update added, with their logprob steps (empty when none were asked for)."""
+        output = update.output
+        new = output.delta_token_ids or []
+        steps = output.logprobs[len(output.token_ids) - len(new) :] if output.logprobs is not None else []
+        return new, steps
+
+    @staticmethod
+    def _worth_sending(update: EngineUpdate) -> bool:
+        # Tokens can arrive without text (held back while they might begin a stop string): skip those.
+        return bool(update.output.delta_text) or update.finished or update.output.logprobs is not None
+
+
+class CompletionGeneration(Generation):
+    id_prefix = "cmpl"
+
+    def __init__(self, body: CompletionRequest, model_name: str, tokenizer):
+        super().__init__(body, model_name, tokenizer)
+        self.body: CompletionRequest = body
+        self._streamed_chars: dict[int, int] = {}  # per choice, for stream logprobs' text offsets
+
+    def prompts(self) -> list[PromptType]:
+        prompt = self.body.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def engine_requests(self) -> list[EngineRequest]:
+        return [
+            EngineRequest(prompt, sampling_params(self.body, self.body.max_tokens, self.body.logprobs, j))
+            for prompt in self.prompts()
+            for j in range(self.body.n)
+        ]
+
+    def _logprobs(self, token_ids, steps, offset):
+        if self.body.logprobs is None:
+            return None
+        return completion_logprobs(self.text_of, token_ids, steps, self.body.logprobs, offset)
+
+    def chunks(self, update: EngineUpdate) -> list[BaseModel]:
+        if not self._worth_sending(update):
+            return []
+        offset = self._streamed_chars.get(update.index, 0)
+        self._streamed_chars[update.index] = offset + len(update.output.delta_text)
+        choice = CompletionChoice(
+            index=update.index,
+            text=update.output.delta_text,
+            logprobs=self._logprobs(*self._new_tokens(update), offset),
+            finish_reason=update.output.finish_reason,
+        )
+        return [self._response([choice], usage=None)]
+
+    def usage_chunk(self) -> BaseModel:
+        return self._response([], usage=self.usage())
+
+    def response(self) -> BaseModel:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=u.output.text,
+                logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or [], 0),
+                finish_reason=u.output.finish_reason,
+            )
+            for i, u in sorted(self.latest.items())
+        ]
+        return self._response(choices, usage=self.usage())
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage
+        )
+
+
+class ChatGeneration(Generation):
+    id_prefix = "chatcmpl"
+
+    def __init__(self, body: ChatCompletionRequest, model_name: str, tokenizer):
+        super().__init__(body, model_name, tokenizer)
+        self.body: ChatCompletionRequest = body
+        self._tokenizer = tokenizer
+        if body.top_logprobs is not None and not body.logprobs:
+            raise SpecserveError("top_logprobs needs logprobs: true")
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.body.top_logprobs or 0) if self.body.logprobs else None
+
+    def messages(self) -> list[dict[str, str]]:
+        return [
+            {
+                "role": m.role,
+                "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
+            }
+            for m in self.body.messages
+        ]
+
+    def prompt_token_ids(self) -> dict[str, list[int]]:
+        """The conversation through the chat template (run on the engine thread, the tokenizer's owner)."""
+        tokenizer = self._tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise SpecserveError("this model has no chat template; use /v1/completions")
+        text = tokenizer.apply_chat_template(self.messages(), add_generation_prompt=True, tokenize=False)
+        # The template writes the special tokens itself; adding them again would double a BOS.
+        return {"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+    def engine_requests(self) -> list[EngineRequest]:
+        max_tokens = self.body.max_completion_tokens or self.body.max_tokens
+        return [
+            EngineRequest(
+                self.prompt_token_ids, sampling_params(self.body, max_tokens, self.num_top_logprobs, j)
+            )
+            for j in range(self.body.n)
+        ]
+
+    def _logprobs(self, token_ids, steps):
+        if self.num_top_logprobs is None:
+            return None
+        return chat_logprobs(self.text_of, token_ids, steps, self.num_top_logprobs)
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+            for i in range(self.body.n)
+        ]
+
+    def chunks(self, update: EngineUpdate) -> list[BaseModel]:
+        if not self._worth_sending(update):
+            return []
+        choice = ChatChunkChoice(
+            index=update.index,
+            delta=Delta(content=update.output.delta_text),
+            logprobs=self._logprobs(*self._new_tokens(update)),
+            finish_reason=update.output.finish_reason,
+        )
+        return [self._chunk([choice])]
+
+    def usage_chunk(self) -> BaseModel:
+        return self._chunk([], usage=self.usage())
+
+    def response(self) -> BaseModel:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=u.output.text),
+                logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or []),
+                finish_reason=u.output.finish_reason,
+            )
+            for i, u in sorted(self.latest.items())
+        ]
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model_name, choices=choices, usage=self.usage()
+        )
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage
+        )

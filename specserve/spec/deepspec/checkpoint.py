@@ -1,0 +1,136 @@
+"""DeepSpec drafter checkpoints (DSpark, DFlash, EAGLE-3): config.json + model.safetensors, read and written.
+
+Keys and shapes are DeepSpec's (DSPARK.md §3.4-3.5, §8.3), so released checkpoints load 1:1 and ours load in
+DeepSpec. The frozen `embed_tokens` and `lm_head` are stored (DeepSpec does) but, when they equal the
+target's tensors, the drafter uses the target's modules instead of a second copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from specserve.config import SpecserveError
+from specserve.models.base import CausalLM
+from specserve.models.loader import iter_checkpoint_tensors, resolve_model
+from specserve.spec.deepspec.config import DrafterConfig, DSparkConfig, parse_drafter_config
+from specserve.spec.deepspec.dspark import DSparkDraftModel
+from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+
+DraftModel = DSparkDraftModel | Eagle3DraftModel
+
+logger = logging.getLogger(__name__)
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
+def build_draft_model(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DraftModel:
+    """Uninitialised storage for every tensor (filled by a checkpoint or `init_draft_weights`)."""
+    model_class = DSparkDraftModel if isinstance(config, DSparkConfig) else Eagle3DraftModel
+    with torch.device("meta"):
+        model = model_class(config)
+    return model.to_empty(device="cpu").to(dtype).eval()
+
+
+def share_target_modules(model: DraftModel, target: CausalLM) -> None:
+    """Use the target's embedding and output layer (frozen in DSpark) instead of the drafter's copies."""
+    model.embed_tokens = target.input_embedding()
+    model.lm_head = target.output_layer()
+
+
+@torch.no_grad()
+def init_draft_weights(model: DraftModel, target: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """A fresh drafter: target embedding and LM head, N(0, std) linears and embeddings, unit norms."""
+    share_target_modules(model, target)
+    generator = torch.Generator().manual_seed(seed)
+    frozen = {id(model.embed_tokens), id(model.lm_head)}
+    for module in model.modules():
+        if id(module) in frozen:
+            continue
+        if isinstance(module, nn.Linear | nn.Embedding):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif getattr(module, "weight", None) is not None and module.weight.dim() == 1:  # norms
+            module.weight.fill_(1.0)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.fill_(1.0)
+
+
+def load_draft_checkpoint(
+    model_id: str, target: CausalLM, target_config, dtype: torch.dtype = torch.float32, revision=None
+) -> DraftModel:
+    """A DeepSpec drafter checkpoint (local directory or hub id), checked against the target."""
+    directory = resolve_model(model_id, revision=revision)
+    config_path = directory / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecserveError(f"{config_path} is not valid JSON: {exc}") from None
+    config = parse_drafter_config(raw, source=str(config_path))
+    config.check_target(target_config, source=str(config_path))
+    model = build_draft_model(config, dtype)
+    load_draft_weights(model, iter_checkpoint_tensors(directory), target, source=str(directory))
+    model.checkpoint_dir = directory  # calibration files live beside the weights
+    return model
+
+
+@torch.no_grad()
+def load_draft_weights(
+    model: DraftModel, tensors: Iterable[tuple[str, torch.Tensor]], target: CausalLM, source: str
+) -> None:
+    """Copy checkpoint tensors in; every key must exist with its exact shape, and none may be missing."""
+    slots = model.state_dict()  # parameters and persistent buffers, sharing storage with the model
+    target_tensors = {
+        "embed_tokens.weight": lambda: target.input_embedding().weight,
+        "lm_head.weight": lambda: target.output_layer().weight,
+    }
+    seen, shared = set(), []
+    for name, tensor in tensors:
+        if name not in slots:
+            raise SpecserveError(
+                f"{source}: unexpected tensor {name!r} (not part of a {model.config.architecture})"
+            )
+        expected = tuple(slots[name].shape)
+        if tuple(tensor.shape) != expected:
+            raise SpecserveError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+            )
+        seen.add(name)
+        if name in target_tensors:
+            theirs = target_tensors[name]()
+            if torch.equal(tensor.to(theirs.dtype), theirs):
+                shared.append(name)
+                continue
+            logger.warning("%s: %s differs from the target's; the drafter keeps its own copy", source, name)
+        slots[name].copy_(tensor)
+    missing = sorted(set(slots) - seen)
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        raise SpecserveError(f"{source}: checkpoint is missing tensors: {', '.join(missing[:8])}{more}")
+    if "embed_tokens.weight" in shared:
+        model.embed_tokens = target.input_embedding()
+    if "lm_head.weight" in shared:
+        model.lm_head = target.output_layer()
+
+
+def save_draft_checkpoint(model: DraftModel, directory: str | Path) -> Path:
+    """config.json + model.safetensors in DeepSpec's layout (shared target tensors written as copies)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2, sort_keys=True))
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if tensor.data_ptr() in seen:  # safetensors refuses aliased tensors (a tied target's embed/head)
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        state[name] = tensor.contiguous()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

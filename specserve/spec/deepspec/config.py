@@ -1,0 +1,369 @@
+"""DeepSpec drafter configurations (DSpark / DFlash / EAGLE-3): config.json parsed, validated and created.
+
+A DeepSpec drafter config is the target's own config (its backbone dimensions) with the draft fields on top:
+`architectures` (`Qwen3DSparkModel` / `Gemma4DSparkModel` / `Qwen3Eagle3Model` / `Gemma4Eagle3Model`),
+`num_hidden_layers` (draft layers), `target_layer_ids`; DSpark adds `block_size`, `mask_token_id`,
+`markov_rank` (+ `markov_head_type`), `enable_confidence_head` (+ `confidence_head_with_markov`); DFlash
+checkpoints are the DSpark classes with rank 0 and no confidence head; EAGLE-3 adds `ttt_length`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import ClassVar
+
+import transformers
+
+from specserve.config import SpecserveError
+from specserve.spec.deepspec.heads import MARKOV_HEAD_TYPES
+
+# Targets whose drafter takes each layout. Qwen2/2.5 targets get the Qwen3 drafter (q/k norms, no biases):
+# DeepSpec has no Qwen2 class, and the layout is the target-independent part of the drafter.
+FAMILY_OF_TARGET = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gemma4_text": "gemma4"}
+_HF_CONFIG = {"qwen3": transformers.Qwen3Config, "gemma4": transformers.Gemma4TextConfig}
+# Target fields the drafter does not inherit: everything MoE, sliding windows and Gemma 4 extras that only
+# the target's own layers use.
+_NOT_INHERITED = (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+    "norm_topk_prob", "router_aux_loss_coef", "output_router_logits", "enable_moe_block", "top_k_experts",
+    "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+    "use_double_wide_mlp", "sliding_window", "use_sliding_window", "max_window_layers",
+    "per_layer_config",  # transformers' per-layer view of the target's layer types; drafts are all global
+)  # fmt: skip
+
+
+@dataclass
+class DrafterConfig:
+    """What every DeepSpec drafter has: a backbone layout and the target layers it reads."""
+
+    family: str  # "qwen3" or "gemma4": which backbone layout
+    backbone: transformers.PretrainedConfig  # dimensions of the draft layers (a Qwen3 / Gemma 4 text config)
+    target_layer_ids: list[int]
+
+    ARCHITECTURES: ClassVar[dict[str, str]] = {}  # architectures[0] -> family
+    REQUIRED: ClassVar[tuple[str, ...]] = ("target_layer_ids",)
+
+    @property
+    def num_layers(self) -> int:
+        return self.backbone.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.vocab_size
+
+    @property
+    def architecture(self) -> str:
+        return {v: k for k, v in self.ARCHITECTURES.items()}[self.family]
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json"):
+        arch = (raw.get("architectures") or [None])[0]
+        if arch not in cls.ARCHITECTURES:
+            raise SpecserveError(
+                f"{source}: architectures[0] is {arch!r}; expected one of {', '.join(cls.ARCHITECTURES)}"
+            )
+        missing = [k for k in cls.REQUIRED if k not in raw]
+        if missing:
+            raise SpecserveError(f"{source} is missing {', '.join(missing)}")
+        family = cls.ARCHITECTURES[arch]
+        fields = {
+            k: v for k, v in raw.items() if k not in ("architectures", "model_type", "per_layer_config")
+        }
+        config = cls(
+            family=family,
+            backbone=_HF_CONFIG[family](**fields),
+            target_layer_ids=list(raw["target_layer_ids"]),
+            **cls._own_fields(raw),
+        )
+        config.validate(source)
+        return config
+
+    @classmethod
+    def _own_fields(cls, raw: dict) -> dict:
+        return {}
+
+    def validate(self, source: str = "config.json") -> None:
+        ids = self.target_layer_ids
+        ok = bool(ids) and all(isinstance(i, int) for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
+        _check(
+            ok, source, f"target_layer_ids must be a non-empty, strictly increasing list of ints, got {ids!r}"
+        )
+        _check(self.num_layers >= 1, source, f"num_hidden_layers {self.num_layers!r}")
+
+    def check_target(self, target_config, source: str = "drafter") -> None:
+        """Errors naming the key when the drafter does not fit the target model."""
+        expected = FAMILY_OF_TARGET.get(target_config.model_type)
+        if expected != self.family:
+            raise SpecserveError(
+                f"{source}: a {self.architecture} drafter cannot serve a {target_config.model_type!r} target"
+            )
+        num_target_layers = target_config.num_hidden_layers
+        pairs = (
+            ("hidden_size", self.hidden_size, target_config.hidden_size),
+            ("vocab_size", self.vocab_size, target_config.vocab_size),
+        )
+        for key, mine, theirs in pairs:
+            if mine != theirs:
+                raise SpecserveError(f"{source}: {key} is {mine}, the target's is {theirs}")
+        declared = getattr(self.backbone, "num_target_layers", None)
+        if declared is not None and declared != num_target_layers:
+            raise SpecserveError(
+                f"{source}: num_target_layers is {declared}, the target has {num_target_layers} layers"
+            )
+        # The last layer's output is not what a DeepSpec target cache stores (HF reports it post-norm).
+        bad = [i for i in self.target_layer_ids if not -1 <= i <= num_target_layers - 2]
+        if bad:
+            raise SpecserveError(
+                f"{source}: target_layer_ids {bad} out of range: each must be -1 (the embedding) or a "
+                f"layer in [0, {num_target_layers - 2}] (the final layer {num_target_layers - 1} is excluded)"
+            )
+
+    def to_dict(self) -> dict:
+        """config.json contents, in DeepSpec's layout."""
+        out = self.backbone.to_dict()
+        out.update(
+            architectures=[self.architecture],
+            num_hidden_layers=self.num_layers,
+            layer_types=["full_attention"] * self.num_layers,
+            tie_word_embeddings=False,
+            target_layer_ids=list(self.target_layer_ids),
+        )
+        if self.family == "gemma4":  # DeepSpec's transformers reads the global geometry from these keys
+            out.pop("per_layer_config", None)
+            out.update(global_attention_fields(self.backbone))
+        return out
+
+
+def _check(ok: bool, source: str, message: str) -> None:
+    if not ok:
+        raise SpecserveError(f"{source}: {message}")
+
+
+@dataclass
+class DSparkConfig(DrafterConfig):
+    """DSpark: `block_size` slots per block (the anchor included: B slots give B drafts), the mask token
+    of the non-anchor slots, and optional sequential heads. DFlash: rank 0 and no confidence head."""
+
+    block_size: int = 7
+    mask_token_id: int = 0
+    markov_rank: int = 0
+    markov_head_type: str | None = None
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+
+    ARCHITECTURES: ClassVar[dict[str, str]] = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4"}
+    REQUIRED: ClassVar[tuple[str, ...]] = (
+        "block_size", "mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
+    )  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> DSparkConfig:
+        missing = []
+        if raw.get("markov_rank") and "markov_head_type" not in raw:
+            missing.append("markov_head_type")
+        if raw.get("enable_confidence_head") and "confidence_head_with_markov" not in raw:
+            missing.append("confidence_head_with_markov")
+        if missing and (raw.get("architectures") or [None])[0] in cls.ARCHITECTURES:
+            raise SpecserveError(f"{source} is missing {', '.join(missing)}")
+        return super().from_dict(raw, source)
+
+    @classmethod
+    def _own_fields(cls, raw: dict) -> dict:
+        rank = raw["markov_rank"]
+        return dict(
+            block_size=raw["block_size"],
+            mask_token_id=raw["mask_token_id"],
+            markov_rank=rank,
+            markov_head_type=raw.get("markov_head_type") if rank else None,
+            confidence_head=bool(raw["enable_confidence_head"]),
+            confidence_with_markov=bool(raw.get("confidence_head_with_markov")) and bool(rank),
+        )
+
+    def validate(self, source: str = "config.json") -> None:
+        super().validate(source)
+        _check(
+            isinstance(self.block_size, int) and self.block_size >= 1,
+            source,
+            f"block_size {self.block_size!r}",
+        )
+        _check(
+            isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
+            source,
+            f"mask_token_id {self.mask_token_id!r} is not in [0, vocab_size={self.vocab_size})",
+        )
+        _check(
+            isinstance(self.markov_rank, int) and self.markov_rank >= 0,
+            source,
+            f"markov_rank {self.markov_rank!r}",
+        )
+        if self.markov_rank:
+            _check(
+                self.markov_head_type in MARKOV_HEAD_TYPES,
+                source,
+                f"markov_head_type {self.markov_head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}",
+            )
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.update(
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            markov_rank=self.markov_rank,
+            enable_confidence_head=self.confidence_head,
+        )
+        out.pop("markov_head_type", None)
+        out.pop("confidence_head_with_markov", None)
+        if self.markov_rank:
+            out["markov_head_type"] = self.markov_head_type
+        if self.confidence_head:
+            out["confidence_head_with_markov"] = self.confidence_with_markov
+        return out
+
+
+@dataclass
+class Eagle3Config(DrafterConfig):
+    """EAGLE-3 as DeepSpec trains it: one decoder layer over [embedding; projected features], drafting
+    autoregressively; `ttt_length` is its training-time test depth (the default number of drafts)."""
+
+    ttt_length: int = 7
+
+    ARCHITECTURES: ClassVar[dict[str, str]] = {"Qwen3Eagle3Model": "qwen3", "Gemma4Eagle3Model": "gemma4"}
+
+    @classmethod
+    def _own_fields(cls, raw: dict) -> dict:
+        return dict(ttt_length=raw.get("ttt_length", 7))
+
+    def validate(self, source: str = "config.json") -> None:
+        super().validate(source)
+        _check(self.num_layers == 1, source, f"an EAGLE-3 drafter has 1 layer, not {self.num_layers}")
+        _check(
+            isinstance(self.ttt_length, int) and self.ttt_length >= 1,
+            source,
+            f"ttt_length {self.ttt_length!r}",
+        )
+
+    def to_dict(self) -> dict:
+        return super().to_dict() | dict(
+            ttt_length=self.ttt_length, draft_num_hidden_layers=1, step_loss_decay=0.8
+        )
+
+
+DRAFTER_CONFIGS = {arch: cls for cls in (DSparkConfig, Eagle3Config) for arch in cls.ARCHITECTURES}
+
+
+def parse_drafter_config(raw: dict, source: str = "config.json") -> DrafterConfig:
+    """Dispatch on architectures[0] (DSpark/DFlash or EAGLE-3)."""
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in DRAFTER_CONFIGS:
+        raise SpecserveError(
+            f"{source}: architectures[0] is {arch!r}; DeepSpec drafters: {', '.join(DRAFTER_CONFIGS)}"
+        )
+    return DRAFTER_CONFIGS[arch].from_dict(raw, source)
+
+
+def global_attention_fields(gemma_config) -> dict:
+    """A Gemma 4 config's full-attention geometry as the flat keys of a pre-`per_layer_config` config."""
+    from specserve.models.gemma import plan_layers
+
+    plan = next(p for p in plan_layers(gemma_config, gemma4=True) if p.layer_type == "full_attention")
+    return {
+        "global_head_dim": plan.head_dim,
+        "attention_k_eq_v": plan.k_eq_v,
+        "num_global_key_value_heads": plan.num_kv_heads if plan.k_eq_v else None,
+    }
+
+
+def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """DFlash's rule, round(1 + i (L - 4) / (n - 1)), clipped to layers a drafter may read; deduplicated."""
+    count = max(1, min(count, num_target_layers - 1))
+    if count == 1:
+        return [max(0, num_target_layers - 2) // 2]
+    last = num_target_layers - 2
+    ids = (round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))
+    return sorted({min(max(i, 0), last) for i in ids})
+
+
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The first embedding row past the tokenizer's ids (Qwen pads its vocabulary), as DeepSpec picks."""
+    if tokenizer is not None and len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    raise SpecserveError("no unused embedding row to use as the mask token: give mask_token_id")
+
+
+def draft_backbone(target_config, num_layers: int) -> tuple[str, transformers.PretrainedConfig]:
+    """(family, backbone config) of a new drafter: the target's dimensions, `num_layers` global layers."""
+    family = FAMILY_OF_TARGET.get(target_config.model_type)
+    if family is None:
+        raise SpecserveError(
+            f"no DeepSpec drafter layout for target model_type {target_config.model_type!r}; supported: "
+            f"{', '.join(FAMILY_OF_TARGET)}"
+        )
+    fields = copy.deepcopy(target_config.to_dict())
+    for key in (*_NOT_INHERITED, "architectures", "model_type", "layer_types", "num_hidden_layers"):
+        fields.pop(key, None)
+    if family == "gemma4":
+        fields.update(global_attention_fields(target_config))
+    fields.update(
+        num_hidden_layers=num_layers,
+        layer_types=["full_attention"] * num_layers,
+        num_target_layers=target_config.num_hidden_layers,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
+    return family, _HF_CONFIG[family](**fields)
+
+
+def new_draft_config(
+    target_config,
+    *,
+    num_layers: int = 1,
+    block_size: int = 7,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    markov_rank: int = 256,
+    markov_head_type: str = "vanilla",
+    confidence_head: bool = True,
+    confidence_with_markov: bool = True,
+) -> DSparkConfig:
+    """A fresh DSpark config for a target (training starts here). DFlash: rank 0, no confidence head."""
+    if mask_token_id is None:
+        raise SpecserveError(
+            "mask_token_id is needed: an id whose embedding is never a real token (Qwen: the first unused "
+            "padded row, e.g. 151669 for Qwen3; Gemma 4: 4)"
+        )
+    family, backbone = draft_backbone(target_config, num_layers)
+    config = DSparkConfig(
+        family=family,
+        backbone=backbone,
+        target_layer_ids=target_layer_ids or default_target_layer_ids(target_config.num_hidden_layers),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type if markov_rank else None,
+        confidence_head=confidence_head,
+        confidence_with_markov=confidence_with_markov and confidence_head and markov_rank > 0,
+    )
+    config.validate("new drafter")
+    config.check_target(target_config, "new drafter")
+    return config
+
+
+def new_eagle3_config(
+    target_config, *, target_layer_ids: list[int] | None = None, ttt_length: int = 7
+) -> Eagle3Config:
+    """A fresh EAGLE-3 config for a target (one layer; DeepSpec reads 5 target layers)."""
+    family, backbone = draft_backbone(target_config, 1)
+    config = Eagle3Config(
+        family=family,
+        backbone=backbone,
+        target_layer_ids=target_layer_ids or default_target_layer_ids(target_config.num_hidden_layers),
+        ttt_length=ttt_length,
+    )
+    config.validate("new drafter")
+    config.check_target(target_config, "new drafter")
+    return config

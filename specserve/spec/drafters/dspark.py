@@ -1,0 +1,131 @@
+"""DSpark (and DFlash) drafting inside the engine: one batched backbone pass for every decoding request,
+then the sequential head left to right, vectorised across requests.
+
+Per request the drafter keeps a paged draft cache holding K/V of the projected target context for every
+position before the current anchor, plus the target features it has been handed but not projected yet.
+A round (DSPARK.md §4.3):
+1. project the pending context rows and write their K/V (positions cached..a-1), write the block's K/V
+   (positions a..a+B-1) and attend, without a causal mask, over the whole cache;
+2. roll the cache back to `a` (a length change: the block rows are overwritten next round);
+3. sample slot by slot: z_i = U_i + MarkovBias(prev_i), q_i = the request's sampling transforms of z_i,
+   d_{i+1} ~ q_i, prev_{i+1} = d_{i+1}; confidence c_i from [h_i; W1[prev_i]].
+The engine then verifies and hands back (`observe`) the target features of the anchor and the accepted
+drafts only, which become the next round's pending context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.engine.sequence import Sequence
+from specserve.spec.calibration import load_temperatures
+from specserve.spec.deepspec.config import DSparkConfig
+from specserve.spec.deepspec.dspark import DSparkDraftModel
+from specserve.spec.drafters.base import DraftProposal, sample_drafts
+from specserve.spec.drafters.hidden_states import HiddenStateDrafter, concat_rows
+
+
+class DSparkDrafter(HiddenStateDrafter):
+    def __init__(self, model: DSparkDraftModel, target):
+        super().__init__(model, target, extra_tokens_per_request=model.config.block_size)
+        self.block_size = model.config.block_size
+        self.default_num_tokens = model.config.block_size
+        self.mask_token_id = model.config.mask_token_id
+        directory = getattr(model, "checkpoint_dir", None)
+        # STS temperatures per position (`specserve calibrate`); None: the raw confidences.
+        self.temperatures = load_temperatures(directory) if directory is not None else None
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, target) -> DSparkDrafter:
+        model = cls.load(spec, target, DSparkConfig)
+        config = model.config
+        if spec.method == "dflash" and (config.markov_rank or config.confidence_head):
+            raise SpecserveError(
+                f"{spec.model}: method 'dflash' expects a checkpoint without sequential heads, this one has "
+                f"markov_rank={config.markov_rank}, enable_confidence_head={config.confidence_head}; "
+                "use method 'dspark'"
+            )
+        k = spec.num_speculative_tokens
+        if k is not None and k > config.block_size:
+            raise SpecserveError(
+                f"num_speculative_tokens={k} exceeds the drafter's block_size={config.block_size} "
+                "(a block of B slots drafts at most B tokens)"
+            )
+        return cls(model, target)
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+        num_tokens = min(num_tokens, self.block_size)
+        ready = self.ready(seqs)
+        proposals = [DraftProposal([]) for _ in seqs]
+        if not ready or num_tokens < 1:
+            return proposals
+        ready_seqs = [seqs[i] for i in ready]
+        h = self._backbone(ready_seqs)[:, :num_tokens]
+        anchors = torch.tensor([s.all_token_ids[-1] for s in ready_seqs])
+        for i, proposal in zip(ready, self._sample(h, anchors, ready_seqs)):
+            proposals[i] = proposal
+        return proposals
+
+    @torch.inference_mode()
+    def _backbone(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One draft forward over all requests' new context rows and blocks -> hidden states [R, B, H]."""
+        B = self.block_size
+        states = [self.states[s.request_id] for s in seqs]
+        anchors = [s.num_tokens - 1 for s in seqs]
+        for state, a in zip(states, anchors):
+            self.blocks.grow(state, a + B)
+        ctx_pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
+        ctx_owner = torch.repeat_interleave(
+            torch.arange(len(seqs)), torch.tensor([st.num_pending for st in states])
+        )
+        block_pos = (torch.tensor(anchors)[:, None] + torch.arange(B)).reshape(-1)
+        block_owner = torch.arange(len(seqs)).repeat_interleave(B)
+        batch = self.paged_batch(
+            states,
+            kv_owner=torch.cat([ctx_owner, block_owner]),
+            kv_pos=torch.cat([ctx_pos, block_pos]),
+            query_lens=[B] * len(seqs),
+            query_pos=block_pos,
+            causal=False,
+        )
+        features = [f for st in states for f in st.take_pending()]
+        width = self.model.fc.in_features
+        context = self.model.project_context(concat_rows(features, width, self.caches[0].k.dtype))
+        block_ids = torch.full((len(seqs), B), self.mask_token_id)
+        block_ids[:, 0] = torch.tensor([s.all_token_ids[-1] for s in seqs])
+        h = self.model.backbone(self.model.embed(block_ids.reshape(-1)), context, batch)
+        self.roll_back(states, anchors)  # keep the context rows (< a); the block rows go
+        return h.view(len(seqs), B, -1)
+
+    @torch.inference_mode()
+    def _sample(self, h: torch.Tensor, anchors: torch.Tensor, seqs: list[Sequence]) -> list[DraftProposal]:
+        """Left-to-right sampling through the sequential head; keeps every exact q row and confidence."""
+        num_seqs, k, _ = h.shape
+        base = self.model.compute_logits(h.reshape(num_seqs * k, -1)).view(num_seqs, k, -1)
+        head = self.model.markov_head
+        state = head.initial_state(num_seqs, h) if head is not None else None
+        prev = anchors
+        drafted: list[list[int]] = [[] for _ in seqs]
+        q_rows, confidence_logits = [], []
+        for i in range(k):
+            logits = base[:, i]
+            if head is not None:
+                bias, state = head.step(prev, h[:, i], state)
+                logits = logits + bias.float()  # after Gemma's softcap, never re-capped
+            conf = self.model.confidence_logits(h[:, i], prev)
+            if conf is not None:
+                if self.temperatures is not None and i < len(self.temperatures):
+                    conf = conf / self.temperatures[i]
+                confidence_logits.append(conf)
+            q, tokens = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
+            q_rows.append(q)
+            for r, token in enumerate(tokens):
+                drafted[r].append(token)
+            prev = torch.tensor(tokens)
+        probs = torch.stack(q_rows, dim=1)  # [R, k, V]
+        confidences = torch.sigmoid(torch.stack(confidence_logits, dim=1)) if confidence_logits else None
+        return [
+            DraftProposal(drafted[r], probs[r], None if confidences is None else confidences[r])
+            for r in range(num_seqs)
+        ]

@@ -1,0 +1,93 @@
+"""EAGLE-3 drafting inside the engine (DSPARK.md §8.3): autoregressive, one single-layer draft forward
+per drafted token, batched across requests.
+
+The draft cache holds one row per committed position t < a (the anchor's position): the target's features
+at t paired with the token at t+1. A round first writes the pending rows (the anchor and accepted tokens
+of the last verification, causally), whose last output predicts d1; then each step feeds the previous
+step's output hidden state with the token just drafted, one position further. The drafted rows are rolled
+back by length afterwards; the next round rewrites those positions with the target's real features.
+Drafting a request stops at a drafted end-of-sequence token, as DeepSpec's evaluator does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.sequence import Sequence
+from specserve.spec.deepspec.config import Eagle3Config
+from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+from specserve.spec.drafters.base import DraftProposal, sample_drafts
+from specserve.spec.drafters.hidden_states import HiddenStateDrafter, concat_rows
+
+
+class Eagle3Drafter(HiddenStateDrafter):
+    def __init__(self, model: Eagle3DraftModel, target, max_num_tokens: int):
+        super().__init__(model, target, extra_tokens_per_request=max_num_tokens)
+        self.default_num_tokens = model.config.ttt_length
+        self.max_num_tokens = max_num_tokens
+        self.eos_token_ids = set(target.eos_token_ids)
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, target) -> Eagle3Drafter:
+        model = cls.load(spec, target, Eagle3Config)
+        return cls(model, target, spec.num_speculative_tokens or model.config.ttt_length)
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+        num_tokens = min(num_tokens, self.max_num_tokens)
+        # The first draft comes from the newest context row: a request needs at least one pending row.
+        ready = [i for i in self.ready(seqs) if self.states[seqs[i].request_id].num_pending]
+        proposals = [DraftProposal([]) for _ in seqs]
+        if not ready:
+            return proposals
+        for i, proposal in zip(ready, self._draft([seqs[i] for i in ready], num_tokens)):
+            proposals[i] = proposal
+        return proposals
+
+    @torch.inference_mode()
+    def _draft(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+        states = [self.states[s.request_id] for s in seqs]
+        anchors = [s.num_tokens - 1 for s in seqs]
+        for state, a in zip(states, anchors):
+            self.blocks.grow(state, a + num_tokens - 1)
+        lens = [st.num_pending for st in states]
+        pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+        # Row t pairs the features of position t with the token at t + 1.
+        tokens = torch.tensor(
+            [t for s, st, a in zip(seqs, states, anchors) for t in s.all_token_ids[st.num_cached + 1 : a + 1]]
+        )
+        features = concat_rows(
+            [f for st in states for f in st.take_pending()], self.model.fc.in_features, self.caches[0].k.dtype
+        )
+        batch = self.paged_batch(states, owner, pos, lens, pos, causal=True)
+        out = self.model(tokens, self.model.project_context(features), batch)
+        hidden = out[torch.tensor(lens).cumsum(0) - 1]  # each request's newest row
+        drafted: list[list[int]] = [[] for _ in seqs]
+        q_rows = []
+        for step in range(num_tokens):
+            if step:
+                step_pos = torch.tensor(anchors) + step - 1
+                batch = self.paged_batch(
+                    states, torch.arange(len(seqs)), step_pos, [1] * len(seqs), step_pos, causal=True
+                )
+                hidden = self.model(torch.tensor([d[-1] for d in drafted]), hidden, batch)
+            logits = self.model.compute_logits(self.model.final_hidden(hidden))
+            q, new = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
+            q_rows.append(q)
+            for d, token in zip(drafted, new):
+                d.append(token)
+        self.roll_back(states, anchors)
+        probs = torch.stack(q_rows, dim=1)
+        return [
+            DraftProposal(d, probs[r]).truncate(self._length(d, seq))
+            for r, (d, seq) in enumerate(zip(drafted, seqs))
+        ]
+
+    def _length(self, drafted: list[int], seq: Sequence) -> int:
+        """Drafts up to and including the first end-of-sequence token (a request that ignores eos: all)."""
+        if not seq.params.ignore_eos:
+            for i, token in enumerate(drafted):
+                if token in self.eos_token_ids:
+                    return i + 1
+        return len(drafted)

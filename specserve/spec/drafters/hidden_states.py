@@ -1,0 +1,149 @@
+"""Shared machinery of drafters conditioned on the target's hidden states (DSpark, DFlash, EAGLE-3):
+per-request context rows handed over by the engine, and a paged draft KV cache rolled back by length."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.engine.kv_cache import BlockManager
+from specserve.engine.sequence import Sequence
+from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
+from specserve.layers.linear import pack_linears
+from specserve.spec.deepspec.checkpoint import load_draft_checkpoint
+from specserve.spec.deepspec.dspark import PagedDraftBatch, attention_geometry
+from specserve.spec.drafters.base import Drafter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ContextState:
+    """One request's draft context: rows [0, num_cached) are in the draft cache, then `pending` rows."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_cached + self.num_pending
+
+    def take_pending(self) -> list[torch.Tensor]:
+        rows, self.pending, self.num_pending = self.pending, [], 0
+        return rows
+
+
+def concat_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[sum of rows, width]; empty when a request was proposed for again without new rows (it had not
+    been scheduled since its last proposal)."""
+    return torch.cat(rows).to(dtype) if rows else torch.zeros(0, width, dtype=dtype)
+
+
+class HiddenStateDrafter(Drafter):
+    """`observe` collects the target features of each position in order; a subclass's `propose` turns
+    the pending rows into draft cache entries and drafts from them."""
+
+    def __init__(self, model, target, extra_tokens_per_request: int):
+        config = model.config
+        self.model = model
+        self.capture_layers = tuple(config.target_layer_ids)
+        self.vocab_size = target.vocab_size
+        self.generator = target.generator  # unseeded requests draw from the engine's generator
+        cache_block = target.config.block_size
+        # Room for every context row the target can hold, plus the drafted rows of every running request.
+        per_request = -(-extra_tokens_per_request // cache_block) + 1
+        num_blocks = target.block_manager.num_blocks + target.config.max_num_seqs * per_request
+        self.blocks = BlockManager(num_blocks, cache_block)
+        geo = attention_geometry(config)
+        shape = (num_blocks, cache_block, geo.num_kv_heads, geo.head_dim)
+        dtype = target.config.torch_dtype
+        self.caches = [
+            KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(config.num_layers)
+        ]
+        self.states: dict[str, ContextState] = {}
+
+    @staticmethod
+    def load(spec: SpeculativeConfig, target, config_type: type):
+        """The checkpoint's drafter, checked to be a `config_type` drafter and packed for CPU inference."""
+        model = load_draft_checkpoint(
+            spec.model, target.model, target.model_config, dtype=target.config.torch_dtype
+        )
+        if not isinstance(model.config, config_type):
+            raise SpecserveError(
+                f"{spec.model}: a {model.config.architecture} drafter cannot run method {spec.method!r}"
+            )
+        pack_linears(model)
+        return model
+
+    # ---- context bookkeeping ------------------------------------------------------------------------
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        state = self.states.get(seq.request_id)
+        if state is None or start != state.num_rows:
+            # Rows arrive in position order from 0; anything else means a restart (after preemption the
+            # sequence is recomputed from position 0) or a state we cannot trust: begin again.
+            self.release(seq)
+            if start != 0:
+                logger.warning(
+                    "request %s: target features from position %d, expected 0", seq.request_id, start
+                )
+                return
+            state = self.states[seq.request_id] = ContextState()
+        state.pending.append(features)
+        state.num_pending += features.shape[0]
+
+    def release(self, seq: Sequence) -> None:
+        state = self.states.pop(seq.request_id, None)
+        if state is not None:
+            self.blocks.shrink(state, 0)
+
+    def ready(self, seqs: list[Sequence]) -> list[int]:
+        """Indices of the sequences whose every position before the anchor has been handed over."""
+        return [
+            i
+            for i, s in enumerate(seqs)
+            if (state := self.states.get(s.request_id)) is not None and state.num_rows == s.num_tokens - 1
+        ]
+
+    def paged_batch(
+        self,
+        states: list[ContextState],
+        kv_owner: torch.Tensor,
+        kv_pos: torch.Tensor,
+        query_lens: list[int],
+        query_pos: torch.Tensor,
+        causal: bool,
+    ) -> PagedDraftBatch:
+        """Rows to write (owner request, position) and queries (per request, consecutive) of one forward;
+        every request's blocks must already cover its last position."""
+        tables = padded_block_tables([st.block_table for st in states])
+        owners = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))
+        last = torch.full((len(states),), -1, dtype=torch.long)
+        last = last.scatter_reduce(0, kv_owner, kv_pos, reduce="amax").scatter_reduce(
+            0, owners, query_pos, reduce="amax"
+        )
+        return PagedDraftBatch(
+            block_pos=query_pos,
+            kv_pos=kv_pos,
+            kv_slots=slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size),
+            meta=AttentionMetadata.build(
+                query_start=[0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                context_lens=(last + 1).tolist(),
+                block_tables=[st.block_table for st in states],
+                positions=query_pos,
+                block_size=self.blocks.block_size,
+                causal=causal,
+            ),
+            caches=self.caches,
+        )
+
+    def roll_back(self, states: list[ContextState], lengths: list[int]) -> None:
+        """Keep the first `lengths[i]` rows of each request's draft cache (a length change)."""
+        for state, n in zip(states, lengths):
+            state.num_cached = n
+            self.blocks.shrink(state, n)

@@ -1,0 +1,131 @@
+"""Verify policies: how many of each request's drafts the target checks this step.
+
+Every policy is non-anticipating (DSpark paper, Appendix A): whether draft j is verified depends only on
+what was known before d_j was sampled, so the verified prefix is a stopping time and rejection sampling
+stays lossless. The confidence c_j is computed from the backbone state and d_{j-1} (never from d_j), so
+decisions on draft j may read c_1..c_j of the same request and anything of other requests (whose drafts
+are independent of this one's).
+
+- `fixed`: every draft.
+- `threshold` (DeepSpec): up to the first draft whose own per-slot confidence is below the threshold.
+- `dspark` (Algorithm 1): candidates (r, j) in decreasing order of the predicted survival
+  a_rj = c_r1 ... c_rj; admit one at a time while the expected throughput (accepted tokens per second of
+  step time, from the cost profile) improves, and stop at the first candidate that does not improve it.
+  The early stop is what keeps it lossless: a scheduler that looks at the whole sequence of candidates
+  and keeps the best prefix afterwards lets c_{j+1}, which depends on d_j, decide whether d_j is verified.
+- `dspark_async` (paper §5.2): the batch capacity K comes from the confidences of two steps earlier (known
+  before anything of this step was drafted); this step verifies the top K candidates by a_rj, no early
+  stop. Survival decreases along a request's drafts, so the top K form a prefix of each request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.spec.cost_model import CostProfile
+from specserve.spec.drafters.base import DraftProposal
+
+
+@dataclass
+class Plan:
+    lengths: list[int]  # drafts verified per request
+    expected_accepted: float  # sum of the predicted survival of the verified drafts
+
+
+def survival(proposal: DraftProposal) -> torch.Tensor:
+    """Predicted P(d_1..d_j all accepted) for each j: the running product of per-slot confidences."""
+    return torch.cumprod(proposal.slot_confidences().double(), dim=0)
+
+
+def ranked_candidates(survivals: list[torch.Tensor]) -> list[tuple[float, int, int]]:
+    """(a_rj, j, r) by decreasing a, ties by position: a request's drafts come in order."""
+    flat = [(float(a), j, r) for r, s in enumerate(survivals) for j, a in enumerate(s.tolist())]
+    return sorted(flat, key=lambda c: (-c[0], c[1]))
+
+
+class VerifyPlanner:
+    def plan(self, proposals: list[DraftProposal], base_tokens: int) -> Plan:
+        """`base_tokens`: tokens the step carries besides drafts (anchors, prefill chunks)."""
+        raise NotImplementedError
+
+
+class FixedPlanner(VerifyPlanner):
+    def plan(self, proposals, base_tokens):
+        lengths = [len(p.token_ids) for p in proposals]
+        return Plan(lengths, _expected(proposals, lengths))
+
+
+class ThresholdPlanner(VerifyPlanner):
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def plan(self, proposals, base_tokens):
+        lengths = []
+        for p in proposals:
+            below = (p.slot_confidences() < self.threshold).nonzero()
+            lengths.append(int(below[0, 0]) if len(below) else len(p.token_ids))
+        return Plan(lengths, _expected(proposals, lengths))
+
+
+def greedy_admission(survivals: list[torch.Tensor], base_tokens: int, profile: CostProfile) -> list[int]:
+    """Algorithm 1 with causal early stopping; returns the verified length per request."""
+    draft_s = profile.draft_time(len(survivals))  # already spent this step; part of the step time
+    tokens, expected = base_tokens, float(len(survivals))  # each request emits at least one token
+    best = expected / (profile.step_time(tokens) + draft_s)
+    lengths = [0] * len(survivals)
+    for a, j, r in ranked_candidates(survivals):
+        throughput = (expected + a) / (profile.step_time(tokens + 1) + draft_s)
+        if throughput <= best:
+            break  # never look further: later candidates may depend on drafts this one would verify
+        best, expected, tokens = throughput, expected + a, tokens + 1
+        lengths[r] = j + 1
+    return lengths
+
+
+class DSparkPlanner(VerifyPlanner):
+    def __init__(self, profile: CostProfile):
+        self.profile = profile
+
+    def plan(self, proposals, base_tokens):
+        survivals = [survival(p) for p in proposals]
+        lengths = greedy_admission(survivals, base_tokens, self.profile)
+        return Plan(lengths, _expected(proposals, lengths, survivals))
+
+
+class AsyncDSparkPlanner(VerifyPlanner):
+    LAG = 2  # steps between the confidences that size the batch and the ones it is filled with
+
+    def __init__(self, profile: CostProfile):
+        self.profile = profile
+        self.history: deque[tuple[list[torch.Tensor], int]] = deque(maxlen=self.LAG)
+
+    def plan(self, proposals, base_tokens):
+        survivals = [survival(p) for p in proposals]
+        if len(self.history) == self.LAG:
+            capacity = sum(greedy_admission(*self.history[0], self.profile))
+            lengths = [0] * len(proposals)
+            for _, j, r in ranked_candidates(survivals)[:capacity]:
+                lengths[r] = max(lengths[r], j + 1)
+        else:  # no history yet: the causal planner on this step's confidences
+            lengths = greedy_admission(survivals, base_tokens, self.profile)
+        self.history.append((survivals, base_tokens))
+        return Plan(lengths, _expected(proposals, lengths, survivals))
+
+
+def _expected(proposals: list[DraftProposal], lengths: list[int], survivals=None) -> float:
+    """Predicted accepted drafts of a plan (the sum of the verified drafts' survival)."""
+    survivals = survivals or [survival(p) if n else None for p, n in zip(proposals, lengths)]
+    return sum(float(s[:n].sum()) for s, n in zip(survivals, lengths) if n)
+
+
+def build_planner(config: SpeculativeConfig, profile: CostProfile | None) -> VerifyPlanner:
+    if config.verify_policy == "threshold":
+        return ThresholdPlanner(config.confidence_threshold)
+    if config.verify_policy in ("dspark", "dspark_async"):
+        assert profile is not None, "the scheduled policies need a cost profile"
+        return DSparkPlanner(profile) if config.verify_policy == "dspark" else AsyncDSparkPlanner(profile)
+    return FixedPlanner()

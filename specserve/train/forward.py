@@ -1,0 +1,68 @@
+"""The training form of a DSpark/DFlash drafter on one sequence: every sampled block at once.
+
+One backbone pass over [context rows | all blocks] with DeepSpec's block mask (`dense_block_batch`); the
+Markov head is teacher-forced (slot i conditions on the true token before it), confidences read the same
+previous tokens, and the aligned target distribution of slot i is the target's logits at position a+i,
+through the drafter's frozen LM head (and Gemma's softcap), exactly as at inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.model_runner import ModelRunner, PieceInput
+from specserve.models.base import CausalLM
+from specserve.spec.deepspec.dspark import DSparkDraftModel, dense_block_batch
+from specserve.train.anchors import Blocks, make_blocks, sample_anchors
+
+
+@dataclass
+class TrainingOutput:
+    draft_logits: torch.Tensor  # [A, B, V] with the Markov bias
+    target_logits: torch.Tensor  # [A, B, V]
+    confidence_logits: torch.Tensor | None  # [A, B]
+    blocks: Blocks
+
+
+def dspark_training_forward(
+    model: DSparkDraftModel,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    target_last_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> TrainingOutput:
+    """input_ids, loss_mask [S]; features [S, n_f H] (target layer outputs); target_last_hidden [S, H]
+    (the target's final-normed hidden states)."""
+    config = model.config
+    B, seq_len = config.block_size, len(input_ids)
+    anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
+    blocks = make_blocks(input_ids, loss_mask, anchors, keep, B)
+    block_ids = torch.full((num_anchors, B), config.mask_token_id)
+    block_ids[:, 0] = torch.where(keep, input_ids[anchors], config.mask_token_id)  # dummies: all mask
+    batch = dense_block_batch([seq_len], [anchors.tolist()], B)
+    context = model.project_context(features.to(model.fc.weight.dtype))
+    h = model.backbone(model.embed(block_ids.reshape(-1)), context, batch).view(num_anchors, B, -1)
+    logits = model.compute_logits(h)
+    if model.markov_head is not None:
+        logits = logits + model.markov_head.block_bias(blocks.prev_tokens, h).float()
+    confidence = model.confidence_logits(h, blocks.prev_tokens)
+    aligned = (anchors[:, None] + torch.arange(B)).clamp(max=seq_len - 1)
+    with torch.no_grad():
+        target_logits = model.compute_logits(target_last_hidden[aligned].to(h.dtype))
+    return TrainingOutput(logits, target_logits, confidence, blocks)
+
+
+def target_features(
+    target: CausalLM, token_ids: list[int], layer_ids: list[int], block_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [S, n_f H] = the listed layers' outputs concatenated, final-normed hidden [S, H]) of one
+    sequence, from one forward of the target through a private paged cache."""
+    num_blocks = -(-len(token_ids) // block_size)
+    runner = ModelRunner(target, num_blocks, block_size, next(target.parameters()).dtype)
+    out = runner.forward([PieceInput(token_ids, 0, list(range(num_blocks)))], [], capture_layers=layer_ids)
+    # clones made outside inference mode are ordinary tensors that autograd may read
+    return torch.cat([out.captured[i] for i in layer_ids], dim=-1).clone(), out.hidden.clone()

@@ -1,0 +1,64 @@
+"""`specserve train`: a drafter for a target from a target cache, with progress, metrics log, checkpoints
+and resume. The drafter reads the target layers the cache was built with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specserve.models.loader import load_model
+from specserve.models.registry import text_config_of
+from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec.deepspec.config import default_mask_token, new_draft_config
+from specserve.train.target_cache import TargetCache
+from specserve.train.trainer import STATE_FILE, TrainConfig, Trainer, append_metrics
+
+
+def train_drafter(
+    target_model: str,
+    cache_dir: str,
+    output: str,
+    method: str,
+    train_config: TrainConfig,
+    num_layers: int = 1,
+    block_size: int = 7,
+    markov_rank: int = 256,
+    mask_token_id: int | None = None,
+    checkpoint_every: int = 500,
+) -> Path:
+    from tqdm import tqdm
+
+    target, hf_config, tokenizer = load_model(target_model)
+    config_t = text_config_of(hf_config)
+    cache = TargetCache(cache_dir)
+    output = Path(output)
+    if (output / STATE_FILE).is_file():
+        trainer = Trainer.resume(output, target, config_t, cache)
+        print(f"resuming {output} at step {trainer.step_index}")
+    else:
+        heads = method == "dspark"
+        config = new_draft_config(
+            config_t,
+            num_layers=num_layers,
+            block_size=block_size,
+            target_layer_ids=cache.manifest["target_layer_ids"],
+            mask_token_id=mask_token_id
+            if mask_token_id is not None
+            else default_mask_token(tokenizer, config_t.vocab_size),
+            markov_rank=markov_rank if heads else 0,
+            confidence_head=heads,
+        )
+        model = build_draft_model(config)
+        init_draft_weights(model, target, seed=train_config.seed)
+        trainer = Trainer(model, cache, train_config)
+    cache.check(trainer.model.config, target_model)
+    log = output / "metrics.jsonl"
+    output.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=train_config.total_steps, initial=trainer.step_index, desc=f"training {method}") as bar:
+        while trainer.step_index < train_config.total_steps:
+            metrics = trainer.step()
+            append_metrics(log, trainer.step_index, metrics)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau']:.2f}")
+            bar.update(1)
+            if trainer.step_index % checkpoint_every == 0 or trainer.step_index == train_config.total_steps:
+                trainer.save(output)
+    return output

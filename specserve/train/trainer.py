@@ -1,0 +1,197 @@
+"""Drafter training loop: AdamW with linear warmup and cosine decay, gradient clipping, the DSpark (or
+DFlash) loss over sampled blocks, checkpoints in DeepSpec's format plus a training state to resume from.
+
+Determinism: sample order comes from (seed, epoch) and each sample's anchors from (seed, step, index), so
+resuming from a checkpoint continues exactly as an uninterrupted run would (tested bit for bit on CPU).
+The embedding and LM head are the target's and stay frozen.
+
+Several processes (torch.distributed, e.g. gloo on CPU or nccl on GPUs): each rank takes every
+world_size-th sample of the global batch, scales its losses by 1 / global batch, and the gradients are
+summed across ranks before clipping, so every rank takes the step one process would take on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.spec.deepspec.checkpoint import load_draft_checkpoint, save_draft_checkpoint
+from specserve.spec.deepspec.dspark import DSparkDraftModel
+from specserve.train.anchors import position_weights
+from specserve.train.forward import dspark_training_forward
+from specserve.train.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, dspark_loss
+
+STATE_FILE = "training_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int
+    batch_size: int = 1  # sequences per optimizer step
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    num_anchors: int = 512
+    loss_decay_gamma: float = 4.0
+    seed: int = 42
+
+
+@dataclass
+class Sample:
+    """One training sequence with the target's view of it (from the target cache)."""
+
+    input_ids: torch.Tensor  # [S] long
+    loss_mask: torch.Tensor  # [S]
+    features: torch.Tensor  # [S, n_f H]
+    last_hidden: torch.Tensor  # [S, H] final-normed
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warmup to `lr` over warmup_ratio of the steps, then cosine annealing to 0."""
+    warmup = max(1, int(config.warmup_ratio * config.total_steps))
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.total_steps - warmup)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def trainable_parameters(model: DSparkDraftModel) -> list[torch.nn.Parameter]:
+    frozen = {id(p) for p in (*model.embed_tokens.parameters(), *model.lm_head.parameters())}
+    return [p for p in model.parameters() if id(p) not in frozen]
+
+
+class Trainer:
+    def __init__(self, model: DSparkDraftModel, samples: Sequence[Sample], config: TrainConfig):
+        if type(model.lm_head) is not torch.nn.Linear:
+            # The target's inference layer (oneDNN-packed) has no autograd: gradients would silently stop
+            # there. Train through a plain frozen copy of the same weight.
+            weight = model.lm_head.weight.detach()
+            model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            model.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.model = model
+        self.samples = samples
+        self.config = config
+        self.params = trainable_parameters(model)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        has_heads = model.markov_head is not None or model.confidence_head is not None
+        self.loss_weights = DSPARK_WEIGHTS if has_heads else DFLASH_WEIGHTS
+        self.slot_weights = position_weights(model.config.block_size, config.loss_decay_gamma)
+        self.step_index = 0
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if distributed else 0
+        self.world_size = torch.distributed.get_world_size() if distributed else 1
+
+    def sample_indices(self, step: int) -> list[int]:
+        """The samples of optimizer step `step`: a seeded permutation per epoch, read in order."""
+        n, size = len(self.samples), self.config.batch_size
+        out = []
+        for i in range(step * size, (step + 1) * size):
+            epoch, offset = divmod(i, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch))
+            out.append(int(order[offset]))
+        return out
+
+    def step(self) -> dict:
+        """One optimizer step; returns the loss terms and the per-slot analytic acceptance."""
+        self.model.train()
+        lr = learning_rate(self.step_index, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        logs = {"ce": 0.0, "l1": 0.0, "conf": 0.0, "loss": 0.0}
+        acceptance = torch.zeros(self.model.config.block_size)
+        indices = self.sample_indices(self.step_index)
+        for j in range(self.rank, len(indices), self.world_size):
+            s = self.samples[indices[j]]
+            generator = torch.Generator().manual_seed(
+                self.config.seed * 1_000_003 + self.step_index * 1009 + j
+            )
+            out = dspark_training_forward(
+                self.model,
+                s.input_ids,
+                s.features,
+                s.last_hidden,
+                s.loss_mask,
+                self.config.num_anchors,
+                generator,
+            )
+            terms = dspark_loss(
+                out.draft_logits,
+                out.target_logits,
+                out.blocks.labels,
+                out.blocks.eval_mask,
+                self.slot_weights,
+                out.confidence_logits,
+                self.loss_weights,
+            )
+            (terms.total / len(indices)).backward()
+            for key, value in (
+                ("ce", terms.ce),
+                ("l1", terms.l1),
+                ("conf", terms.conf),
+                ("loss", terms.total),
+            ):
+                logs[key] += float(value.detach()) / len(indices)
+            acceptance += terms.slot_acceptance / len(indices)
+        if self.world_size > 1:
+            self._sum_across_ranks(logs, acceptance)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+        self.optimizer.step()
+        self.step_index += 1
+        # tau estimate from the analytic conditional acceptance: 1 + sum_k prod_{j<=k} acc_j
+        tau = 1 + float(torch.cumprod(acceptance, 0).sum())
+        return {
+            **logs,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tau": tau,
+            "acceptance": acceptance.tolist(),
+        }
+
+    def _sum_across_ranks(self, logs: dict, acceptance: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+        totals = torch.tensor([logs[k] for k in sorted(logs)])
+        torch.distributed.all_reduce(totals)
+        logs.update(zip(sorted(logs), totals.tolist()))
+        torch.distributed.all_reduce(acceptance)
+
+    def save(self, directory: str | Path) -> Path:
+        """The drafter (DeepSpec format) and the state to resume from."""
+        directory = save_draft_checkpoint(self.model, directory)
+        torch.save(
+            {
+                "step": self.step_index,
+                "optimizer": self.optimizer.state_dict(),
+                "config": asdict(self.config),
+            },
+            directory / STATE_FILE,
+        )
+        return directory
+
+    @classmethod
+    def resume(cls, directory: str | Path, target, target_config, samples: Sequence[Sample]) -> Trainer:
+        directory = Path(directory)
+        state = torch.load(directory / STATE_FILE, weights_only=True)
+        model = load_draft_checkpoint(str(directory), target, target_config)
+        trainer = cls(model, samples, TrainConfig(**state["config"]))
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.step_index = state["step"]
+        return trainer
+
+
+def append_metrics(path: str | Path, step: int, metrics: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -1,0 +1,86 @@
+"""Servers for the server tests: the app in-process (uvicorn on a free port, in a thread), metric scraping,
+and a small SSE reader."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.server import AsyncEngine, build_app
+
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: LLMEngine
+    async_engine: AsyncEngine
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        return scrape(self.url)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics()[(name, tuple(sorted(labels.items())))]
+
+
+@contextmanager
+def running_server(
+    model_dir, *, api_key: str | None = None, max_waiting: int = 256, speculative_config=None, **engine_args
+) -> Iterator[RunningServer]:
+    """The app for a fresh engine on `model_dir`, served on 127.0.0.1 until the block exits."""
+    engine_args.setdefault("kv_cache_memory", "16MiB")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_args), speculative_config)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    app = build_app(async_engine, MODEL_NAME, api_key=api_key)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, async_engine)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted label items): value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def sse_payloads(lines: Iterator[str]) -> Iterator[dict | str]:
+    """The `data:` payloads of a server-sent event stream: parsed JSON, or the string "[DONE]"."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)

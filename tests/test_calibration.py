@@ -1,0 +1,81 @@
+"""Confidence calibration: metrics, Sequential Temperature Scaling on synthetic over-confident data, and the
+engine's live per-position statistics."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.spec.calibration import (
+    LiveCalibration,
+    VerificationRecords,
+    auc,
+    calibration_report,
+    ece,
+    fit_sts,
+    load_temperatures,
+    position_data,
+    save_temperatures,
+)
+
+
+def overconfident_rounds(n: int = 4000, k: int = 4, true_temperature: float = 3.0, seed: int = 0):
+    """Rounds whose drafts survive with probability sigmoid(l / 3) while the head claims sigmoid(l)."""
+    g = torch.Generator().manual_seed(seed)
+    records = VerificationRecords()
+    for _ in range(n):
+        logits = torch.randn(k, generator=g, dtype=torch.double) + 1.5
+        survive = torch.rand(k, generator=g, dtype=torch.double) < torch.sigmoid(logits / true_temperature)
+        accepted = int(torch.cumprod(survive.long(), 0).sum())
+        records.add(logits, accepted)
+    return records.arrays()
+
+
+def test_metrics_on_known_cases():
+    pred = torch.tensor([0.1, 0.1, 0.9, 0.9])
+    assert abs(ece(pred, torch.tensor([0.0, 0.0, 1.0, 1.0])) - 0.1) < 1e-6
+    assert auc(pred, torch.tensor([0.0, 0.0, 1.0, 1.0])) == 1.0
+    assert auc(pred, torch.tensor([0.0, 1.0, 0.0, 1.0])) == 0.5
+
+
+def test_sts_lowers_ece_and_keeps_the_order_within_a_position(tmp_path):
+    logits, lengths, accepted = overconfident_rounds()
+    temperatures = fit_sts(logits, lengths, accepted)
+    assert all(t > 1.5 for t in temperatures)  # over-confident: every position is cooled
+    report = calibration_report(logits, lengths, accepted, temperatures)
+    for row in report:
+        assert row["ece_sts"] < row["ece_raw"] and row["ece_sts"] < 0.03
+    # Per-slot confidence is a monotone function of the logit at every position: the order is kept.
+    for j, t in enumerate(temperatures):
+        raw_order = torch.argsort(logits[:, j])
+        assert torch.equal(torch.argsort(torch.sigmoid(logits[:, j] / t)), raw_order)
+    assert load_temperatures(save_temperatures(temperatures, tmp_path).parent) == temperatures
+
+
+def test_live_calibration_matches_the_offline_ece():
+    logits, lengths, accepted = overconfident_rounds(n=1000)
+    live = LiveCalibration()
+    for row, n, a in zip(logits, lengths, accepted):
+        live.record(torch.cumprod(torch.sigmoid(row[:n]), 0), int(a))
+    ones = [1.0] * logits.shape[1]
+    offline = [ece(*position_data(logits, lengths, accepted, ones, j)) for j in range(logits.shape[1])]
+    assert all(abs(a - b) < 1e-9 for a, b in zip(live.ece_per_position(), offline, strict=True))
+    assert live.samples_per_position() == [int((lengths > j).sum()) for j in range(logits.shape[1])]
+
+
+def test_calibrate_command_writes_temperatures_the_engine_applies(tiny_model_dir, tmp_path):
+    from specserve import LLM, SamplingParams
+    from specserve.spec.calibrate import calibrate
+    from tests.tiny_models import save_tiny_drafter
+
+    target = str(tiny_model_dir("qwen3"))
+    drafter_dir = save_tiny_drafter(target, tmp_path / "drafter", std=0.2)
+    spec = {"method": "dspark", "model": str(drafter_dir)}
+    llm = LLM(target, max_model_len=128, speculative_config=spec)
+    prompts = [[5 + i, 6, 7 + i, 8] for i in range(12)]
+    report = calibrate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0))
+    assert [r["position"] for r in report] == [1, 2, 3, 4] and report[0]["samples"] > 50
+    for name in ("sts_temperatures.json", "calibration_report.json", "reliability_diagram.png"):
+        assert (drafter_dir / name).is_file()
+    temperatures = load_temperatures(drafter_dir)
+    fresh = LLM(target, max_model_len=128, speculative_config=spec)
+    assert fresh.engine.drafter.temperatures == temperatures

@@ -1,0 +1,160 @@
+"""Verify planners: the DSpark paper's Appendix A as a statistical test, Algorithm 1 against brute force,
+the asynchronous variant's capacity rule, and budgets that shrink under load."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+
+from specserve import SamplingParams
+from specserve.spec.cost_model import CostProfile
+from specserve.spec.drafters.base import DraftProposal
+from specserve.spec.planner import AsyncDSparkPlanner, DSparkPlanner, greedy_admission, ranked_candidates
+from specserve.spec.rejection import build_verify_batch, rejection_sample
+
+# Appendix A: SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45; target (0.7, 0.3) over tokens {A=0, B=1}; the
+# drafter samples uniformly; c1 = 1 and c2 = 1 if x1 = A else 0 (c2 depends on the sampled x1).
+APPENDIX_A = CostProfile(batch_tokens=[1, 2, 3], step_s=[1.0, 2.0, 1 / 0.45])
+TARGET = torch.tensor([0.7, 0.3])
+N = 20_000
+
+
+def appendix_a_first_tokens(choose_length) -> torch.Tensor:
+    """First emitted token of N independent steps whose verified length is `choose_length(proposal)`."""
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.randint(0, 2, (N, 2), generator=g).tolist()
+    q = torch.full((2, 2), 0.5)
+    proposals = [
+        DraftProposal(d, q, torch.tensor([1.0, 1.0 if d[0] == 0 else 0.0], dtype=torch.double))
+        for d in drafts
+    ]
+    verified = [p.truncate(choose_length(p)) for p in proposals]
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(N)]
+    batch = build_verify_batch(
+        params,
+        [[0]] * N,
+        [[]] * N,
+        [v.token_ids for v in verified],
+        2,
+        generator=torch.Generator().manual_seed(1),
+    )
+    rows = sum(len(v.token_ids) + 1 for v in verified)
+    out = rejection_sample(
+        TARGET.log().expand(rows, 2), batch, [v.token_ids for v in verified], [v.probs for v in verified]
+    )
+    return torch.tensor([t[0] for t in out.token_ids])
+
+
+def retrospective_length(p: DraftProposal) -> int:
+    """The best prefix chosen after seeing every confidence (no early stop): the biased scheduler."""
+    survival = torch.cumprod(p.confidences, 0).tolist()
+    value = [(1 + sum(survival[:n])) * APPENDIX_A.sps(1 + n) for n in range(len(survival) + 1)]
+    return max(range(len(value)), key=lambda n: (value[n], -n))
+
+
+def frequencies_pvalue(tokens: torch.Tensor, probs: list[float]) -> float:
+    counts = torch.bincount(tokens, minlength=2).tolist()
+    return stats.chisquare(counts, [p * N for p in probs]).pvalue
+
+
+def test_appendix_a_early_stopping_is_lossless_and_retrospection_is_not():
+    ours = appendix_a_first_tokens(lambda p: DSparkPlanner(APPENDIX_A).plan([p], 1).lengths[0])
+    assert frequencies_pvalue(ours, [0.7, 0.3]) > 0.001
+    biased = appendix_a_first_tokens(retrospective_length)
+    assert frequencies_pvalue(biased, [0.85, 0.15]) > 0.001
+    assert frequencies_pvalue(biased, [0.7, 0.3]) < 1e-9
+
+
+def convex_profile(g: torch.Generator, max_tokens: int) -> CostProfile:
+    """T(B) = t0 + t1 B + t2 B^2: convex step time, so tokens/s B * SPS(B) is unimodal."""
+    t0, t1, t2 = (torch.rand(3, generator=g) * torch.tensor([1.0, 0.2, 0.02])).tolist()
+    grid = list(range(1, max_tokens + 1))
+    return CostProfile(grid, [t0 + 0.05 + t1 * b + t2 * b * b for b in grid])
+
+
+def brute_force_best(survivals: list[torch.Tensor], base: int, profile: CostProfile) -> float:
+    best = 0.0
+    for lengths in itertools.product(*[range(len(s) + 1) for s in survivals]):
+        expected = len(survivals) + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))
+        best = max(best, expected / profile.step_time(base + sum(lengths)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_algorithm_1_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_requests = int(torch.randint(1, 4, (1,), generator=g))
+    survivals = [
+        torch.cumprod(torch.rand(int(torch.randint(1, 5, (1,), generator=g)), generator=g).double(), 0)
+        for _ in range(num_requests)
+    ]
+    base = num_requests + int(torch.randint(0, 3, (1,), generator=g))
+    profile = convex_profile(g, base + sum(len(s) for s in survivals))
+    lengths = greedy_admission(survivals, base, profile)
+    value = (num_requests + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))) / profile.step_time(
+        base + sum(lengths)
+    )
+    assert value == pytest.approx(brute_force_best(survivals, base, profile), rel=1e-12)
+
+
+def proposal_with(confidences: list[float]) -> DraftProposal:
+    return DraftProposal(list(range(len(confidences))), None, torch.tensor(confidences, dtype=torch.double))
+
+
+def test_async_capacity_comes_from_two_steps_earlier():
+    profile = CostProfile([1, 8, 64], [1.0, 1.2, 6.0])
+    planner = AsyncDSparkPlanner(profile)
+    g = torch.Generator().manual_seed(5)
+    steps = [[proposal_with(torch.rand(5, generator=g).tolist()) for _ in range(3)] for _ in range(6)]
+    for t, proposals in enumerate(steps):
+        plan = planner.plan(proposals, 3)
+        if t >= 2:
+            old = [torch.cumprod(p.confidences, 0) for p in steps[t - 2]]
+            capacity = sum(greedy_admission(old, 3, profile))
+            assert sum(plan.lengths) == min(capacity, 15)
+            # the chosen drafts are the top `capacity` by survival: prefixes of each request
+            now = [torch.cumprod(p.confidences, 0) for p in proposals]
+            chosen = {(r, j) for _, j, r in ranked_candidates(now)[:capacity]}
+            assert chosen == {(r, j) for r, n in enumerate(plan.lengths) for j in range(n)}
+
+
+def test_budget_per_request_falls_with_load():
+    """Verification is free up to 16 tokens, then each token costs: more requests, fewer drafts each."""
+    profile = CostProfile([1, 16, 1024], [1.0, 1.0, 1.0 + 0.02 * (1024 - 16)])
+    mean_budget = []
+    for num_requests in (1, 4, 16, 64):
+        proposals = [proposal_with([0.8] * 7) for _ in range(num_requests)]
+        plan = DSparkPlanner(profile).plan(proposals, num_requests)
+        mean_budget.append(sum(plan.lengths) / num_requests)
+    assert all(a >= b for a, b in zip(mean_budget, mean_budget[1:]))
+    assert mean_budget[0] == 7 and mean_budget[-1] <= 1 and mean_budget[1] > mean_budget[-1]
+
+
+def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from specserve.cli import main
+
+    spec = json.dumps({"method": "ngram"})
+    out = tmp_path / "profile.json"
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(tiny_model_dir("qwen3")),
+                "--speculative-config",
+                spec,
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    profile = CostProfile.load(out)
+    assert profile.batch_tokens[0] == 1 and profile.batch_tokens[-1] == 2048
+    assert all(t > 0 for t in profile.step_s) and len(profile.draft_s) == len(profile.draft_requests)
+    assert out.with_suffix(".png").is_file() and "saved" in capsys.readouterr().out

@@ -1,0 +1,372 @@
+"""Drafter training pieces: DSPARK.md §10's anchor / eval-mask vectors and loss weights, each loss term on
+hand-checked tensors, and a few steps on a tiny target that lower the loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specserve.models.loader import load_model
+from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec.deepspec.config import new_draft_config
+from specserve.train.anchors import make_blocks, position_weights, sample_anchors
+from specserve.train.forward import dspark_training_forward, target_features
+from specserve.train.losses import dspark_loss
+from specserve.train.trainer import Sample, TrainConfig, Trainer, learning_rate
+from tests.tiny_models import VOCAB
+
+
+def test_anchor_and_eval_mask_vectors():
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1])
+    anchors, keep = sample_anchors(loss_mask, 6)
+    assert anchors.tolist() == [2, 3, 4, 7, 0, 0] and keep.tolist() == [1, 1, 1, 1, 0, 0]
+    blocks = make_blocks(torch.arange(10, 19), loss_mask, anchors, keep, 3)
+    expected = [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert blocks.eval_mask.long().tolist() == expected
+    assert blocks.labels[0].tolist() == [13, 14, 15]  # slot i of anchor 2 is labelled with position 3 + i
+    assert blocks.prev_tokens[0].tolist() == [12, 13, 14]  # the anchor, then the previous slots' labels
+
+
+def test_anchor_sampling_draws_distinct_sorted_candidates():
+    loss_mask = torch.ones(100, dtype=torch.long)
+    anchors, keep = sample_anchors(loss_mask, 10, torch.Generator().manual_seed(0))
+    assert keep.all() and len(set(anchors.tolist())) == 10 and anchors.tolist() == sorted(anchors.tolist())
+    assert anchors.max() <= 98
+
+
+def test_loss_weights():
+    expected = [1, 0.7788, 0.6065, 0.4724, 0.3679, 0.2865, 0.2231]
+    assert position_weights(7).tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_each_loss_term_by_hand():
+    # one block of 2 slots over a 2-token vocabulary
+    draft = torch.log(torch.tensor([[[0.8, 0.2], [0.5, 0.5]]]))
+    target = torch.log(torch.tensor([[[0.6, 0.4], [0.5, 0.5]]]))
+    labels = torch.tensor([[0, 1]])
+    mask = torch.tensor([[True, True]])
+    w = torch.tensor([1.0, 0.5])
+    conf = torch.tensor([[0.0, 2.0]])
+    terms = dspark_loss(draft, target, labels, mask, w, conf)
+    ce = (-math.log(0.8) * 1 + -math.log(0.5) * 0.5) / 1.5
+    l1 = (0.4 * 1 + 0.0 * 0.5) / 1.5
+    accept = [0.8, 1.0]
+    bce = [
+        -(a * math.log(s) + (1 - a) * math.log(1 - s)) for a, s in zip(accept, [0.5, 1 / (1 + math.exp(-2))])
+    ]
+    conf_loss = (bce[0] * 1 + bce[1] * 0.5) / 1.5
+    assert terms.ce.item() == pytest.approx(ce, rel=1e-5)
+    assert terms.l1.item() == pytest.approx(l1, rel=1e-5)
+    assert terms.conf.item() == pytest.approx(conf_loss, rel=1e-5)
+    assert terms.total.item() == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * conf_loss, rel=1e-5)
+    assert terms.slot_acceptance.tolist() == pytest.approx(accept)
+    masked = dspark_loss(draft, target, labels, torch.tensor([[True, False]]), w, conf)
+    assert masked.ce.item() == pytest.approx(-math.log(0.8), rel=1e-5)
+
+
+@pytest.mark.parametrize("heads", ["dspark", "dflash"])
+def test_training_steps_lower_the_loss(heads, tiny_model_dir):
+    target, target_config, _ = load_model(str(tiny_model_dir("qwen3")))
+    extra = dict(markov_rank=16) if heads == "dspark" else dict(markov_rank=0, confidence_head=False)
+    config = new_draft_config(target_config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, **extra)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB - 1, (48,), generator=g)
+    features, last_hidden = target_features(target, ids.tolist(), config.target_layer_ids)
+    loss_mask = (torch.arange(48) >= 8).long()
+    trainable = [p for n, p in model.named_parameters() if not n.startswith(("embed_tokens", "lm_head"))]
+    for p in model.parameters():
+        p.requires_grad_(any(p is t for t in trainable))
+    optimizer = torch.optim.AdamW(trainable, lr=3e-3)
+    w = position_weights(4)
+    losses = []
+    for step in range(30):
+        out = dspark_training_forward(
+            model, ids, features, last_hidden, loss_mask, 16, torch.Generator().manual_seed(step)
+        )
+        terms = dspark_loss(
+            out.draft_logits,
+            out.target_logits,
+            out.blocks.labels,
+            out.blocks.eval_mask,
+            w,
+            out.confidence_logits,
+        )
+        optimizer.zero_grad()
+        terms.total.backward()
+        optimizer.step()
+        losses.append(terms.total.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert model.embed_tokens.weight.grad is None  # the frozen target tensors are not trained
+
+
+def tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=40):
+    target, target_config, _ = load_model(str(tiny_model_dir("qwen3")))
+    config = new_draft_config(
+        target_config, num_layers=1, block_size=4, markov_rank=16, mask_token_id=VOCAB - 1
+    )
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(num_samples):
+        ids = torch.randint(0, VOCAB - 1, (seq_len,), generator=g)
+        features, last_hidden = target_features(target, ids.tolist(), config.target_layer_ids)
+        samples.append(Sample(ids, (torch.arange(seq_len) >= 6).long(), features, last_hidden))
+    return target, target_config, config, samples
+
+
+def test_save_then_resume_continues_bit_identically(tiny_model_dir, tmp_path):
+    target, target_config, config, samples = tiny_training_setup(tiny_model_dir)
+    train_config = TrainConfig(total_steps=6, batch_size=2, lr=3e-3, num_anchors=8)
+
+    def fresh():
+        model = build_draft_model(config)
+        init_draft_weights(model, target, seed=0)
+        return Trainer(model, samples, train_config)
+
+    straight = fresh()
+    logs = [straight.step() for _ in range(6)]
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    interrupted = fresh()
+    for _ in range(3):
+        interrupted.step()
+    resumed = Trainer.resume(interrupted.save(tmp_path / "ckpt"), target, target_config, samples)
+    for _ in range(3):
+        resumed.step()
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_learning_rate_schedule():
+    config = TrainConfig(total_steps=100, lr=1.0, warmup_ratio=0.04)
+    assert [learning_rate(s, config) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert learning_rate(52, config) == pytest.approx(0.5)  # half way through the cosine
+    assert learning_rate(99, config) < 0.01
+
+
+def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
+    from specserve import SpecserveError
+    from specserve.train.target_cache import CacheInfo, TargetCache, bytes_per_token, write_target_cache
+
+    _, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=20)
+    info = CacheInfo(config.target_layer_ids, config.hidden_size, "tiny-qwen3")
+    # a small shard limit: the samples spread over several shards
+    write_target_cache(tmp_path / "cache", samples, info, shard_bytes=2 * 20 * bytes_per_token(64, 2))
+    cache = TargetCache(tmp_path / "cache")
+    assert len(cache) == 3 and cache.manifest["num_shards"] == 2
+    for original, stored in zip(samples, (cache[i] for i in range(3))):
+        assert torch.equal(stored.input_ids, original.input_ids)
+        assert torch.equal(stored.loss_mask, original.loss_mask)
+        torch.testing.assert_close(stored.features, original.features.to(torch.bfloat16).float())
+        torch.testing.assert_close(stored.last_hidden, original.last_hidden.to(torch.bfloat16).float())
+    cache.check(config, "tiny-qwen3")
+    other = new_draft_config(
+        load_model(str(tiny_model_dir("qwen3")))[1],
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=[0],
+    )
+    with pytest.raises(SpecserveError, match="target_layer_ids"):
+        cache.check(other)
+    with pytest.raises(SpecserveError, match="target 'tiny-qwen3' != 'another'"):
+        cache.check(config, "another")
+
+
+def _ddp_worker(rank: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=2)
+    try:
+        trainer = _one_step_trainer(model_dir)
+        logs = trainer.step()
+        torch.save({"params": trainer.model.state_dict(), "loss": logs["loss"]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_step_trainer(model_dir: str) -> Trainer:
+    class Dirs:
+        def __call__(self, arch):
+            return model_dir
+
+    target, _, config, samples = tiny_training_setup(Dirs(), num_samples=4, seq_len=24)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    return Trainer(model, samples, TrainConfig(total_steps=10, batch_size=4, lr=1e-2, num_anchors=6))
+
+
+def test_two_process_gloo_step_equals_one_process(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    model_dir = str(tiny_model_dir("qwen3"))
+    mp.spawn(_ddp_worker, args=(model_dir, str(tmp_path)), nprocs=2, join=True)
+    single = _one_step_trainer(model_dir)
+    logs = single.step()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["loss"] == pytest.approx(logs["loss"], rel=1e-5)
+        for name, value in single.model.state_dict().items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_conversation_loss_mask_covers_assistant_turns_only(tmp_path):
+    from transformers import AutoTokenizer
+
+    from specserve.train.data import tokenize_conversation
+    from tests.tiny_models import save_byte_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(save_byte_tokenizer(tmp_path)))
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "sure"},
+    ]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    # each assistant turn including its end marker; the default system prompt was added, untrained
+    assert trained == "yo<|im_end|>\nsure<|im_end|>\n"
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    short_ids, short_mask = tokenize_conversation(tokenizer, messages, max_length=20)
+    assert len(short_ids) == len(short_mask) == 20
+
+
+def test_code_prompts_come_from_local_functions_and_are_reproducible(tmp_path):
+    from specserve.train.data import code_prompts
+
+    (tmp_path / "mod.py").write_text(
+        "def add(a, b):\n    '''Sum.'''\n    c = a + b\n    return c\n\n\ndef tiny():\n    return 1\n"
+    )
+    prompts = code_prompts(3, seed=1, roots=[tmp_path])
+    assert len(prompts) == 1 and "def add(a, b):" in prompts[0]  # `tiny` is too short to ask about
+    stdlib = code_prompts(5, seed=3)
+    assert len(stdlib) == 5 and stdlib == code_prompts(5, seed=3)
+
+
+def test_regenerate_writes_deepspec_rows_and_resumes(tmp_path):
+    import json
+
+    from specserve import LLM, SamplingParams
+    from specserve.train.data import read_prompts, regenerate
+    from tests.tiny_models import save_tiny_chat_model
+
+    llm = LLM(str(save_tiny_chat_model("qwen3", tmp_path / "m")), max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = tmp_path / "data.jsonl"
+    regenerate(llm, ["first", "second"], out, params, batch_size=1)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1] and all(r["status"] == "success" for r in rows)
+    assert rows[0]["conversations"][0] == {"role": "user", "content": "first"}
+    assert rows[0]["conversations"][1]["role"] == "assistant"
+    regenerate(llm, ["first", "second", "third"], out, params)  # resumes: only the new prompt runs
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1, 2]
+    assert read_prompts(out) == ["first", "second", "third"]
+
+
+def test_training_goes_through_a_packed_target_head(tiny_model_dir):
+    """An inference-only (oneDNN) LM head would silently stop gradients; the trainer swaps in a plain one."""
+    from specserve.layers.linear import PackedLinear
+
+    target, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=1, seq_len=20)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    weight = model.lm_head.weight.detach().clone()
+    dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+    model.lm_head = PackedLinear(dense)
+    trainer = Trainer(model, samples, TrainConfig(total_steps=2, num_anchors=4))
+    assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, weight)
+    trainer.step()
+    assert model.norm.weight.grad is not None and model.norm.weight.grad.abs().sum() > 0
+
+
+def test_data_cache_train_pipeline_gives_a_drafter_the_engine_serves(tmp_path):
+    """regenerate -> target-cache -> train (through the CLI), then greedy speculation with the result."""
+    import json
+
+    from specserve import LLM, SamplingParams
+    from specserve.cli import main
+    from tests.tiny_models import save_tiny_chat_model
+
+    model = str(save_tiny_chat_model("qwen3", tmp_path / "target"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("hello there", "write code", "why?")))
+    data, cache, drafter = tmp_path / "data.jsonl", tmp_path / "cache", tmp_path / "drafter"
+    common = ["--model", model]
+    argv = [
+        "data",
+        "regenerate",
+        *common,
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(data),
+        "--max-tokens",
+        "24",
+    ]
+    assert main(argv) == 0
+    assert (
+        main(
+            [
+                "data",
+                "target-cache",
+                *common,
+                "--data",
+                str(data),
+                "--output",
+                str(cache),
+                "--min-loss-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    argv = [
+        "train",
+        *common,
+        "--cache",
+        str(cache),
+        "--output",
+        str(drafter),
+        "--steps",
+        "3",
+        "--block-size",
+        "3",
+    ]
+    assert main([*argv, "--mask-token-id", "3", "--num-anchors", "8", "--markov-rank", "8"]) == 0
+    assert len((drafter / "metrics.jsonl").read_text().splitlines()) == 3
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = LLM(model, max_model_len=128).generate(["abc"], params)[0].outputs[0].token_ids
+    llm = LLM(model, max_model_len=128, speculative_config={"method": "dspark", "model": str(drafter)})
+    assert llm.generate(["abc"], params)[0].outputs[0].token_ids == plain
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_eval_reports_tau_survival_and_calibration_per_dataset(tmp_path):
+    import json
+
+    from specserve.cli import main
+    from tests.tiny_models import save_tiny_chat_model, save_tiny_drafter
+
+    model = save_tiny_chat_model("qwen3", tmp_path / "target")
+    drafter = save_tiny_drafter(model, tmp_path / "drafter", std=0.2)
+    for name in ("alpha", "beta"):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "\n".join(json.dumps({"turns": [f"{name} {i}"]}) for i in range(3))
+        )
+    datasets = ",".join(str(tmp_path / f"{n}.jsonl") for n in ("alpha", "beta"))
+    dspark = json.dumps({"method": "dspark", "model": str(drafter)})
+    ngram = json.dumps({"method": "ngram", "prompt_lookup_min": 1})
+    argv = ["eval", "--model", str(model), "--drafter", f"dspark={dspark}", "--drafter", f"ngram={ngram}"]
+    assert main([*argv, "--datasets", datasets, "--max-tokens", "24", "--output", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "acceptance.json").read_text())
+    assert [(r["drafter"], r["dataset"]) for r in results] == [
+        ("dspark", "alpha"), ("dspark", "beta"), ("ngram", "alpha"), ("ngram", "beta")
+    ]  # fmt: skip
+    for r in results:
+        assert r["tau"] >= 1 and all(0 <= s <= 1 for s in r["prefix_survival"])
+    assert len(results[0]["ece"]) == 4 and results[2]["ece"] == []  # only DSpark has a confidence head
+    assert (tmp_path / "out" / "acceptance.png").is_file()
