@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
@@ -17,6 +17,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
+    )
     parser.add_argument(
         "--speculative-config",
         default=None,
@@ -33,6 +36,7 @@ def _llm_from(args: argparse.Namespace):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        quantization=args.quantization,
         speculative_config=args.speculative_config,
         seed=args.seed,
     )
@@ -244,6 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
+        quantization=args.quantization,
         seed=args.seed,
     )
 
@@ -393,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", default="2GiB")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
+    srv.add_argument(
+        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
+    )
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument(
         "--max-waiting-requests", type=int, default=256, help="beyond the running batch; more get 429"

@@ -121,6 +121,9 @@ _DTYPES = {
 }
 
 
+QUANTIZATION_MODES = ("int8", "int4")
+
+
 @dataclass
 class EngineConfig:
     """Engine settings. `max_model_len=None` takes the model's context length, capped at 8192."""
@@ -134,6 +137,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     revision: str | None = None
+    quantization: str | None = None  # weight-only "int8" | "int4" linear layers (specserve/layers/quant.py)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -157,6 +161,10 @@ class EngineConfig:
             "max_num_batched_tokens must be >= 1",
         )
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(
+            self.quantization in (None, *QUANTIZATION_MODES),
+            f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}",
+        )
 
     @property
     def torch_dtype(self):

@@ -61,7 +61,9 @@ class LLMEngine:
     ):
         self.config = config
         model_dir = resolve_model(config.model, revision=config.revision)
-        self.model, hf_config, self.tokenizer = load_model(str(model_dir), dtype=config.torch_dtype)
+        self.model, hf_config, self.tokenizer = load_model(
+            str(model_dir), dtype=config.torch_dtype, quantization=config.quantization
+        )
         generation_config = read_generation_config(model_dir)
         self.model_config = text_config_of(hf_config)
         self.vocab_size = self.model_config.vocab_size

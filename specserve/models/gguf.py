@@ -23,6 +23,12 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
   HF's per-expert checkpoint names.
 - Parsing a GGUF with `GGUFReader` costs 7-11 s here (it walks the 150k-260k token strings), so a
   conversion parses once; cached directories are found without opening the GGUF at all.
+
+Quantized loading (`load_quantized`, used when the engine is asked for int8/int4) reads the linear
+weights from the GGUF itself rather than from the fp32 conversion: Q8_0 blocks become int8 (their codes
+split into two int4 planes) and Q4_0 / Q4_K blocks int4 (group 32, their own codes, scales and minimums)
+without an fp32 copy of the tensor; other types are dequantized in memory, one tensor at a time, and
+requantized.
 """
 
 from __future__ import annotations
@@ -40,8 +46,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from specserve.config import SpecserveError
+from specserve.layers.quant import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    int8_from_q8_0,
+    quantizable_linears,
+    quantize_linear,
+    replace_module,
+)
 from specserve.models.local_models import cache_root, file_lock
 
 # Bump when the conversion output changes, so stale caches are rebuilt rather than trusted.
@@ -492,3 +508,108 @@ def convert_gguf(
                 shutil.rmtree(tmp, ignore_errors=True)
         say(f"converted {gguf_path.name} in {time.perf_counter() - start:.0f} s")
     return out_dir
+
+
+# ------------------------------------------------------------------------------------- quantized loading
+# Block layouts (ggml's ggml-common.h; the tests check them against gguf.quants' own dequantization):
+#   Q8_0: 32 weights in 34 bytes: fp16 d, 32 int8 codes; w = d * q.
+#   Q4_0: 32 weights in 18 bytes: fp16 d, 16 bytes whose low nibbles are codes 0..15 and high nibbles
+#         codes 16..31; w = d * (q - 8).
+#   Q4_K: 256 weights in 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, then 4
+#         chunks of 32 bytes, chunk c holding sub-block 2c in its low nibbles and 2c + 1 in its high ones;
+#         w = d * scale_j * q - dmin * min_j for sub-block j (32 weights).
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def decode_q8_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows [N, row bytes] -> (q int8 [N, K], scales float32 [N, K / 32]) with w = q * scale."""
+    blocks = data.reshape(data.shape[0], -1, 34)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
+    return torch.from_numpy(q), torch.from_numpy(_fp16(blocks[..., :2]))
+
+
+def decode_q4_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 rows -> (q uint8 [N, K] in 0..15, scales, mins float32 [N, K / 32]) with w = q * scale + min."""
+    blocks = data.reshape(data.shape[0], -1, 18)
+    packed = blocks[..., 2:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(data.shape[0], -1)
+    scales = _fp16(blocks[..., :2])
+    return torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(-8 * scales)
+
+
+def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of each Q4_K block -> 8 six-bit scales and 8 six-bit mins."""
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def decode_q4_k(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows -> (q uint8 [N, K] in 0..15, scales, mins float32 [N, K / 32]) with w = q * scale + min."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 144)
+    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    sub_scales, sub_mins = _q4_k_scales_and_mins(blocks[..., 4:16])
+    chunks = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = np.concatenate([chunks & 0x0F, chunks >> 4], axis=-2).reshape(rows, -1)
+    scales = (d[..., None] * sub_scales).reshape(rows, -1)
+    mins = -(dmin[..., None] * sub_mins).reshape(rows, -1)
+    return torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(mins)
+
+
+_INT4_DECODERS = {"Q4_0": decode_q4_0, "Q4_K": decode_q4_k}
+
+
+def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> QuantizedLinear:
+    """The quantized layer for one GGUF linear weight: from its blocks when the format maps onto the mode,
+    else dequantized (in memory) and requantized."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
+    if mode == "int8" and kind == "Q8_0":
+        return Int8Linear(*int8_from_q8_0(*decode_q8_0(raw)), bias)
+    if mode == "int4" and kind in _INT4_DECODERS:
+        q, scales, mins = _INT4_DECODERS[kind](raw)
+        return Int4Linear(q, scales, mins + 8 * scales, bias)  # zero: the value of the middle code, 8
+    weight = np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32).reshape(plan.shape)
+    return quantize_linear(torch.from_numpy(weight), bias, mode)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory was made from, if it is still there at its recorded size."""
+    if not is_converted(Path(model_dir)):
+        return None
+    info = json.loads((Path(model_dir) / MARKER_FILE).read_text())
+    source = Path(info.get("source", ""))
+    if source.is_file() and source.stat().st_size == info.get("source_bytes"):
+        return source
+    return None
+
+
+def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Replace every quantizable linear layer of `model` (built, not yet loaded) by its quantized version
+    read from the GGUF, and return the remaining tensors, dequantized, for `model.load_weights`.
+
+    A replaced layer's fp32 weight is never written, so (allocated uninitialised) it never takes memory.
+    Layers the file does not hold (a head tied to the embedding) are left for `quantize_model`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    plan = plan_tensors(reader, _Meta(reader).arch)
+    targets = {f"{n}.weight": names for names in quantizable_linears(model, mode) for n in names}
+    rest = []
+    for p in plan:
+        names = targets.get(p.hf_name)
+        if names is None:
+            rest.append(p)
+            continue
+        bias = model.get_submodule(names[0]).bias
+        replace_module(model, names, quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias))
+    # copies: F32 tensors come straight from the read-only memory map
+    return ((p.hf_name, torch.from_numpy(np.array(arr))) for p, arr in iter_converted(reader, rest))

@@ -21,6 +21,7 @@ import torch
 
 from specserve.config import SpecserveError
 from specserve.layers.linear import pack_linears
+from specserve.layers.quant import check_mode, quantize_model
 from specserve.models import local_models
 
 # What snapshot_download fetches: config, weights, tokenizer and chat template files, nothing else.
@@ -216,17 +217,36 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, revision: str | None = None):
-    """Resolve `model`, build our implementation and load its weights: (model, config, tokenizer or None)."""
+def load_model(
+    model: str,
+    dtype: torch.dtype = torch.float32,
+    revision: str | None = None,
+    quantization: str | None = None,
+):
+    """Resolve `model`, build our implementation and load its weights: (model, config, tokenizer or None).
+
+    `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
+    model converted from a GGUF file that is still present is then read from that file, its quantized
+    blocks mapped straight into our formats where they match (`models/gguf.py`); otherwise the fp32
+    weights are loaded and quantized in memory."""
+    from specserve.models import gguf
     from specserve.models.registry import build_model
 
+    if quantization is not None:
+        check_mode(quantization)
     model_dir = resolve_model(model, revision=revision)
     config = load_hf_config(model_dir)
     try:
         net = build_model(config, dtype)
     except ValueError as exc:
         raise SpecserveError(f"{model}: {exc}") from exc
-    net.load_weights(iter_checkpoint_tensors(model_dir))  # copy_ casts each tensor to `dtype`
+    source = gguf.gguf_source(model_dir) if quantization else None
+    if source is not None:
+        net.load_weights(gguf.load_quantized(source, net, quantization))
+    else:
+        net.load_weights(iter_checkpoint_tensors(model_dir))  # copy_ casts each tensor to `dtype`
     net.eval()
+    if quantization:
+        quantize_model(net, quantization)  # everything not read quantized from a GGUF (a tied head, ...)
     pack_linears(net)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
     return net, config, load_tokenizer(model_dir)

@@ -1,0 +1,496 @@
+"""Weight-only int8/int4 quantization: formats, layers against their dequantized reference, GGUF block
+decoding against gguf's own dequantization, quantized loading, and the engine (greedy and speculative) on
+quantized tiny models. Slow tier: the real Qwen2.5-Coder-1.5B read quantized from its GGUF."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+from torch import nn
+
+from specserve import LLM, SamplingParams, SpecserveError
+from specserve.cli import build_parser
+from specserve.config import EngineConfig
+from specserve.layers.linear import PackedLinear, pack_linears
+from specserve.layers.quant import (
+    COMPUTE_DTYPE,
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    int8_from_q8_0,
+    quantize_int4,
+    quantize_int8,
+    quantize_linear,
+    quantize_model,
+)
+from specserve.models import gguf as sgguf
+from specserve.models.loader import load_model, resolve_model
+from tests import test_lossless
+from tests.paged_harness import PagedHarness
+from tests.test_loader import write_tiny_gguf
+from tests.tiny_models import VOCAB
+
+MODES = ["int8", "int4"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def random_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows of very different magnitudes, an outlier, a zero row and a constant stretch."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n)[:, None]
+    w[0, 5] = 40.0
+    w[1] = 0.0
+    w[2, :64] = 0.7
+    return w
+
+
+# --------------------------------------------------------------------------------------------- formats
+
+
+def int4_error_bound(scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Half a step, plus the bf16 rounding of the group's scale and zero (stored in the kernel's dtype)."""
+    step = scales.float().abs().repeat_interleave(group_size, dim=1)
+    zero = zeros.float().abs().repeat_interleave(group_size, dim=1)
+    return 0.5 * step + 2**-8 * (15 * step + zero)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_is_within_half_a_step(group_size):
+    w = random_weight(48, 256)
+    q, scales, zeros = quantize_int4(w, group_size)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scales.shape == (48, 256 // group_size)
+    err = (dequantize_int4(q, scales, zeros) - w).abs()
+    assert (err <= int4_error_bound(scales, zeros, group_size)).all()
+    assert err.mean() < 0.3 * scales.float().mean()
+
+
+def test_int8_residual_plane_resolves_the_coarse_step():
+    w = random_weight(48, 256)
+    coarse, residual = quantize_int8(w, 32)
+    assert torch.equal(coarse[0], quantize_int4(w, 32)[0])
+    err = (dequantize_int4(*coarse) + dequantize_int4(*residual) - w).abs()
+    assert (err <= int4_error_bound(*residual[1:], 32)).all()
+    # within 1/15 of the coarse step (about 1/30 on average): finer than one 8-bit grid per group
+    step = coarse[1].float().abs().repeat_interleave(32, dim=1)
+    assert (err <= step / 15 + 2**-16 * w.abs() + 1e-9).all()
+    assert (err / step)[step > 1e-6].mean() < 0.02
+
+
+def test_q8_0_codes_are_kept_with_only_the_scale_rounded():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=g)
+    d = torch.rand(32, 4, generator=g) * 0.02 + 1e-3
+    layer = Int8Linear(*int8_from_q8_0(q, d))
+    d_bf16 = d.to(COMPUTE_DTYPE).float().repeat_interleave(32, dim=1)
+    assert torch.equal(layer.weight, q.float() * d_bf16)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("in_features,out_features", [(64, 48), (256, 128), (1536, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_equals_its_dequantized_reference(mode, in_features, out_features, bias):
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, out_features, bias=bias)
+    layer = quantize_linear(dense.weight, dense.bias, mode)
+    inputs = [torch.randn(in_features)]  # 1-D
+    inputs += [torch.randn(m, in_features) for m in (1, 2, 3, 5, 16, 33)]
+    inputs += [torch.randn(2, 5, in_features), torch.randn(in_features, 6).t()]  # 3-D, strided
+    # dequantized fp32 weights of each kernel call (int8 makes two, one per int4 plane)
+    planes = [p.weight for p in ([layer.coarse, layer.residual] if mode == "int8" else [layer])]
+    weight = sum(planes)
+    with torch.inference_mode():
+        for x in inputs:
+            # the reference: the dequantized weight applied in fp32 to the bf16-rounded input
+            x_bf16 = x.to(COMPUTE_DTYPE).float()
+            y, products = layer(x), [F.linear(x_bf16, w) for w in planes]
+            ref = sum(products) if layer.bias is None else sum(products) + layer.bias
+            assert y.shape == ref.shape and y.dtype == torch.float32
+            # exact up to fp rounding: fp32 accumulation order, and each call's bf16 output (2^-8 relative)
+            bound = 2**-8 * sum(p.abs() for p in products) + 1e-5 * (x_bf16.abs() @ weight.abs().t())
+            assert ((y - ref).abs() <= bound).all(), tuple(x.shape)
+        assert layer(torch.randn(0, in_features)).shape == (0, out_features)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_is_batch_invariant(mode):
+    """A row's output does not depend on the other rows: what makes greedy speculation exact."""
+    layer = quantize_linear(random_weight(256, 512), None, mode)
+    x = torch.randn(11, 512)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(11)])
+        assert torch.equal(layer(x), alone)
+
+
+def test_int4_codes_read_back_through_the_kernel():
+    q, scales, zeros = quantize_int4(random_weight(64, 256), 32)
+    layer = Int4Linear(q, scales, zeros)
+    assert torch.equal(layer.codes(), q)
+    assert torch.equal(layer.weight, dequantize_int4(q, scales, zeros))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_model_replaces_what_the_kernel_takes(mode):
+    model = nn.ModuleDict(
+        {
+            "up": nn.Linear(64, 128),
+            "odd": nn.Linear(64, 40),  # N % 16 != 0: the kernel packs output channels by 16
+            "narrow": nn.Linear(24, 64),  # no group size (>= 32) divides K
+            "mlp": nn.ModuleDict({"gate": nn.Linear(64, 32)}),  # a MoE router: stays fp32
+            "lm_head": nn.Linear(64, 256),
+        }
+    )
+    quantized = {"int8": Int8Linear, "int4": Int4Linear}[mode]
+    assert quantize_model(model, mode) == (1 if mode == "int8" else 2)
+    assert isinstance(model["up"], quantized) and type(model["odd"]) is nn.Linear
+    assert type(model["narrow"]) is nn.Linear and type(model["mlp"]["gate"]) is nn.Linear
+    # the head: quantized by default in int4 (speed), kept fp32 in int8 (bf16 logits reorder near ties)
+    assert isinstance(model["lm_head"], quantized) == (mode == "int4")
+    assert quantize_model(model, mode, lm_head=True) == (1 if mode == "int8" else 0)
+    assert isinstance(model["lm_head"], quantized)
+    with pytest.raises(SpecserveError, match="quantization must be one of"):
+        quantize_model(model, "int3")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantizing_packed_layers_equals_quantizing_dense_ones(mode):
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(128, 256), nn.SiLU(), nn.Linear(256, 128))
+    packed = copy.deepcopy(dense)
+    assert pack_linears(packed, min_features=1, enabled=True) == 2 and isinstance(packed[0], PackedLinear)
+    assert quantize_model(dense, mode) == quantize_model(packed, mode) == 2
+    x = torch.randn(3, 128)
+    with torch.inference_mode():
+        assert torch.equal(dense(x), packed(x))
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+def random_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid Q4_K rows (gguf-py cannot quantize to Q4_K): random codes and 6-bit pairs, small fp16 d/dmin."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    for start in (0, 2):  # d, then dmin
+        halves = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
+        blocks[..., start : start + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_blocks(qtype: QT, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return random_q4_k(*x.shape, rng) if qtype == QT.Q4_K else gguf.quants.quantize(x, qtype)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_K])
+def test_block_decoding_equals_gguf_dequantization(qtype):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, 512)).astype(np.float32)
+    raw = gguf_blocks(qtype, x, rng)
+    expected = gguf.quants.dequantize(raw, qtype)
+    if qtype == QT.Q8_0:
+        q, scales = sgguf.decode_q8_0(raw)
+        decoded = q.float().view(48, -1, 32) * scales[..., None]
+    else:
+        q, scales, mins = (sgguf.decode_q4_0 if qtype == QT.Q4_0 else sgguf.decode_q4_k)(raw)
+        assert q.dtype == torch.uint8 and int(q.max()) <= 15
+        decoded = q.float().view(48, -1, 32) * scales[..., None] + mins[..., None]
+    np.testing.assert_array_equal(decoded.reshape(48, 512).numpy(), expected)
+
+
+def assert_int4_maps_blocks(layer: Int4Linear, expected: np.ndarray) -> None:
+    """Straight from Q4 blocks: the same codes, with scale and zero only rounded to bf16."""
+    assert layer.group_size == 32
+    scales, zeros = layer.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+    bound = 2**-8 * (8 * scales.abs() + zeros.abs()).repeat_interleave(32, dim=1)
+    assert ((layer.weight - torch.from_numpy(expected)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K])
+def test_int4_layer_from_q4_blocks(qtype):
+    rng = np.random.default_rng(1)
+    raw = gguf_blocks(qtype, rng.standard_normal((64, 256)).astype(np.float32), rng)
+    tensor = SimpleNamespace(tensor_type=qtype, data=raw)
+    plan = sgguf.PlannedTensor("w", (64, 256), 0)
+    layer = sgguf.quantized_linear_from_gguf(tensor, plan, "int4", None)
+    assert isinstance(layer, Int4Linear)
+    assert_int4_maps_blocks(layer, gguf.quants.dequantize(raw, qtype))
+
+
+H, FFN, HEADS, KV_HEADS, VOCAB_GGUF = 256, 512, 4, 2, 64
+# One tensor of each kind the loader meets: mapped straight (Q4_K, Q4_0 for int4; Q8_0 for int8) or not.
+GGUF_TYPES = {
+    "attn_q": QT.Q4_K,
+    "attn_k": QT.Q4_0,
+    "attn_v": QT.Q8_0,
+    "attn_output": QT.F32,
+    "ffn_gate": QT.Q4_K,
+    "ffn_up": QT.Q4_0,
+    "ffn_down": QT.Q8_0,
+}
+
+
+def write_quantized_gguf(path) -> dict[str, tuple[QT, np.ndarray]]:
+    """A one-layer Qwen2 GGUF with Q4_K/Q4_0/Q8_0/F32 linear weights; {hf name: (type, dequantized)}."""
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    kv = KV_HEADS * H // HEADS
+    shapes = {
+        "attn_q": (H, H),
+        "attn_k": (kv, H),
+        "attn_v": (kv, H),
+        "attn_output": (H, H),
+        "ffn_gate": (FFN, H),
+        "ffn_up": (FFN, H),
+        "ffn_down": (H, FFN),
+    }
+    expected: dict[str, tuple[QT, np.ndarray]] = {}
+    for name, shape in shapes.items():
+        x = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+        qtype = GGUF_TYPES[name]
+        raw = x if qtype == QT.F32 else gguf_blocks(qtype, x, rng)
+        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=None if qtype == QT.F32 else qtype)
+        value = x if qtype == QT.F32 else gguf.quants.dequantize(raw, qtype).reshape(shape)
+        expected[f"model.layers.0.{sgguf._LAYER_COMMON[name]}.weight"] = (qtype, value)
+    for name, size in (("attn_q", H), ("attn_k", kv), ("attn_v", kv)):
+        w.add_tensor(f"blk.0.{name}.bias", (0.1 * rng.standard_normal(size)).astype(np.float32))
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
+        w.add_tensor(f"{name}.weight", np.ones(H, np.float32))
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB_GGUF, H)).astype(np.float32))
+    raw = random_q4_k(VOCAB_GGUF, H, rng)
+    w.add_tensor("output.weight", raw, raw_dtype=QT.Q4_K)
+    expected["lm_head.weight"] = (QT.Q4_K, gguf.quants.dequantize(raw, QT.Q4_K).reshape(VOCAB_GGUF, H))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def test_quantized_loading_reads_the_gguf_blocks(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "tiny-quantized.gguf"
+    expected = write_quantized_gguf(src)
+    model_dir = resolve_model(str(src))
+    assert sgguf.gguf_source(model_dir) == src.resolve()
+    for mode in MODES:
+        model, _, _ = load_model(str(model_dir), quantization=mode)
+        for name, (qtype, value) in expected.items():
+            layer, value = model.get_submodule(name.removesuffix(".weight")), torch.from_numpy(value)
+            if mode == "int4" and qtype in (QT.Q4_0, QT.Q4_K):
+                assert_int4_maps_blocks(layer, value.numpy())
+            elif mode == "int8" and qtype == QT.Q8_0:  # the codes, with d rounded to bf16
+                assert isinstance(layer, Int8Linear)
+                assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all()
+            elif mode == "int8" and name == "lm_head.weight":  # int8 keeps the head fp32
+                assert type(layer) is nn.Linear and torch.equal(layer.weight, value)
+            else:  # dequantized, then quantized exactly as a dense weight would be
+                reference = quantize_linear(value, None, mode)
+                assert type(layer) is type(reference) and torch.equal(layer.weight, reference.weight)
+        llm = tiny_llm(str(src), quantization=mode)
+        out = llm.generate([[1, 5, 9, 2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
+def test_quantized_gguf_loading_equals_quantizing_the_conversion(arch, tmp_path, monkeypatch):
+    """F32 and Q8_0 tensors (int4), F32 tensors (int8), stacked experts: the GGUF path gives the same
+    layers as quantizing the fp32 conversion; routers stay fp32."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(src, arch)
+    model_dir = resolve_model(str(src))
+    for mode in MODES:
+        from_gguf, _, _ = load_model(str(model_dir), quantization=mode)
+        dense, _, _ = load_model(str(model_dir))
+        assert quantize_model(dense, mode) > 0
+        layers = dict(from_gguf.named_modules())
+        for name, module in dense.named_modules():
+            if isinstance(module, Int8Linear | Int4Linear) and not name.endswith((".coarse", ".residual")):
+                assert type(layers[name]) is type(module), name
+                # int8 from Q8_0 keeps the file's codes instead: checked in the test above
+                if not (mode == "int8" and name.endswith(("q_proj", "up_proj"))):
+                    assert torch.equal(layers[name].weight, module.weight), name
+        if arch == "qwen3moe":
+            assert type(layers["model.layers.0.mlp.gate"]) is nn.Linear
+            assert isinstance(layers["model.layers.0.mlp.experts.3.down_proj"], Int8Linear | Int4Linear)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tied_head_gets_its_own_quantized_copy(mode, tiny_model_dir):
+    model, _, _ = load_model(str(tiny_model_dir("qwen2")))
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding
+    quantize_model(model, mode, lm_head=True)
+    assert isinstance(model.lm_head, Int8Linear | Int4Linear)
+    assert model.model.embed_tokens.weight is embedding and embedding.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def tiny_llm(model: str, **kwargs) -> LLM:
+    return LLM(model, max_model_len=64, kv_cache_memory="16MiB", **kwargs)
+
+
+def plain_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding by re-running the whole sequence through the model each step (no cache reuse)."""
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        logits, _ = PagedHarness(model, num_blocks=32).step([(0, tokens)])
+        tokens.append(int(logits[0][-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "gemma3"])
+def test_engine_greedy_equals_plain_forward_greedy(mode, arch, tiny_model_dir):
+    llm = tiny_llm(str(tiny_model_dir(arch)), quantization=mode)
+    model = llm.engine.model
+    assert any(isinstance(m, Int8Linear | Int4Linear) for m in model.modules())
+    batch = prompts(3)
+    outs = llm.generate(batch, GREEDY)
+    for prompt, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == plain_greedy(model, prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_speculation_on_a_quantized_target_is_exact(mode, tiny_model_dir):
+    target = str(tiny_model_dir("qwen3"))
+    batch = prompts(4, seed=2)
+    plain = tiny_llm(target, quantization=mode)
+    expected = [o.outputs[0].token_ids for o in plain.generate(batch, GREEDY)]
+    specs = [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "model": str(tiny_model_dir("qwen2")), "num_speculative_tokens": 4},
+    ]
+    for spec in specs:
+        llm = tiny_llm(target, quantization=mode, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == expected
+        assert llm.engine.spec_stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_drafter_is_quantized_independently_of_the_target(mode, tiny_model_dir):
+    target = str(tiny_model_dir("qwen3"))
+    batch = prompts(3, seed=4)
+    reference = tiny_llm(target)
+    expected = [o.outputs[0].token_ids for o in reference.generate(batch, GREEDY)]
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    llm = tiny_llm(target, speculative_config=spec)
+    assert quantize_model(llm.engine.drafter.runner.model, mode) > 0
+    assert not any(isinstance(m, Int8Linear | Int4Linear) for m in llm.engine.model.modules())
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == expected
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens or mode == "int8"
+
+
+class QuantizedReference:
+    """`reference(ids).logits` as test_lossless.exact_joint wants it, from our own (quantized) model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids: torch.Tensor) -> SimpleNamespace:
+        harness = PagedHarness(self.model, num_blocks=4 * len(ids))
+        logits, _ = harness.step([(i, row.tolist()) for i, row in enumerate(ids)])
+        return SimpleNamespace(logits=torch.stack([piece[-1:] for piece in logits]))
+
+
+def test_speculative_sampling_on_a_quantized_target_is_lossless(tmp_path):
+    """The core harness: sampled continuations follow the quantized target's exact distribution."""
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    fp32_target = test_lossless.make_model(target_dir, 0, 60.0)
+    test_lossless.make_model(draft_dir, 0, 15.0)
+    params = test_lossless.CASES["temperature_1"]
+    target = tiny_llm(str(target_dir), quantization="int4")
+    exact = test_lossless.exact_joint(QuantizedReference(target.engine.model), params, 3)
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    llm = LLM(
+        str(target_dir),
+        max_model_len=64,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        quantization="int4",
+        speculative_config=spec,
+    )
+    n = test_lossless.NUM_SAMPLES
+    outs = llm.generate([test_lossless.PROMPT] * n, params)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    assert 0.1 < llm.engine.spec_stats.acceptance_rate < 0.9
+    assert test_lossless.chi_square_pvalue(counts, exact, n) > 0.001
+    # power: the samples do tell the quantized target from the fp32 model it was made from
+    exact_fp32 = test_lossless.exact_joint(fp32_target, params, 3)
+    assert test_lossless.chi_square_pvalue(counts, exact_fp32, n) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------ arguments
+
+
+def test_quantization_argument_is_checked():
+    assert EngineConfig(model="m", quantization="int4").quantization == "int4"
+    with pytest.raises(SpecserveError, match="quantization must be None or one of int8, int4"):
+        EngineConfig(model="m", quantization="fp8")
+    args = build_parser().parse_args(["generate", "--quantization", "int8", "hi"])
+    assert args.quantization == "int8"
+
+
+# ------------------------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+def test_real_qwen_is_read_quantized_from_its_gguf():
+    """Qwen2.5-Coder-1.5B: Q4_K layers map straight into int4 (the fp32 conversion is gguf's dequantization
+    of the same blocks), and int8 greedy output equals fp32's on chat prompts."""
+    from specserve.models.loader import iter_checkpoint_tensors
+
+    name = "qwen2.5-coder-1.5b"
+    try:
+        model_dir = resolve_model(name)
+    except SpecserveError as exc:
+        pytest.skip(f"local model {name} unavailable: {exc}")
+    if sgguf.gguf_source(model_dir) is None:
+        pytest.skip(f"the GGUF file {name} was converted from is gone")
+    wanted = {"model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"}  # Q4_K
+    dense = {k: v for k, v in iter_checkpoint_tensors(model_dir) if k in wanted}
+    model, _, _ = load_model(name, quantization="int4")
+    for key, weight in dense.items():
+        assert_int4_maps_blocks(model.get_submodule(key.removesuffix(".weight")), weight.numpy())
+    del model
+    questions = ("Write a Python function that merges two sorted lists.", "What does `yield` do?")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = []
+    for mode in (None, "int8"):
+        llm = LLM(name, quantization=mode, max_model_len=512, kv_cache_memory="256MiB")
+        chats = [
+            {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": q}])} for q in questions
+        ]
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(chats, params)])
+        del llm
+    assert outputs[0] == outputs[1]
