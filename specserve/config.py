@@ -124,6 +124,13 @@ _DTYPES = {
 QUANTIZATION_MODES = ("int8", "int4")
 
 
+def _check_quantization(mode: str | None) -> None:
+    _check(
+        mode in (None, *QUANTIZATION_MODES),
+        f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}",
+    )
+
+
 @dataclass
 class EngineConfig:
     """Engine settings. `max_model_len=None` takes the model's context length, capped at 8192."""
@@ -161,10 +168,7 @@ class EngineConfig:
             "max_num_batched_tokens must be >= 1",
         )
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(
-            self.quantization in (None, *QUANTIZATION_MODES),
-            f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}",
-        )
+        _check_quantization(self.quantization)
 
     @property
     def torch_dtype(self):
@@ -187,7 +191,8 @@ class SpeculativeConfig:
     drafters. `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
     `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`),
     `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
-    file `cost_profile`, or one measured at start and cached).
+    file `cost_profile`, or one measured at start and cached). `quantization` ("int8" | "int4") makes the
+    drafter's linear layers weight-only quantized, independently of the target's.
     """
 
     method: str
@@ -198,6 +203,7 @@ class SpeculativeConfig:
     verify_policy: str = "fixed"
     confidence_threshold: float | None = None
     cost_profile: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -221,6 +227,11 @@ class SpeculativeConfig:
             )
         else:
             _check(threshold is None, "confidence_threshold is only used with verify_policy 'threshold'")
+        _check_quantization(self.quantization)
+        _check(
+            self.quantization is None or self.method != "ngram",
+            "quantization applies to a drafter's weights; method 'ngram' has none",
+        )
         if self.method == "draft_model":
             _check(bool(self.model), "method 'draft_model' needs 'model': the draft model's name or path")
         if self.method in CHECKPOINT_DRAFTERS:

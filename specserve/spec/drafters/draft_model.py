@@ -46,7 +46,9 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target) -> DraftModelDrafter:
-        model, hf_config, tokenizer = load_model(config.model, dtype=target.config.torch_dtype)
+        model, hf_config, tokenizer = load_model(
+            config.model, dtype=target.config.torch_dtype, quantization=config.quantization
+        )
         draft_vocab = getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size", None)
         if draft_vocab != target.vocab_size:
             raise SpecserveError(

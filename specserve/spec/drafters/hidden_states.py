@@ -13,6 +13,7 @@ from specserve.engine.kv_cache import BlockManager
 from specserve.engine.sequence import Sequence
 from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
 from specserve.layers.linear import pack_linears
+from specserve.layers.quant import quantize_model
 from specserve.spec.deepspec.checkpoint import load_draft_checkpoint
 from specserve.spec.deepspec.dspark import PagedDraftBatch, attention_geometry
 from specserve.spec.drafters.base import Drafter
@@ -70,7 +71,9 @@ class HiddenStateDrafter(Drafter):
 
     @staticmethod
     def load(spec: SpeculativeConfig, target, config_type: type):
-        """The checkpoint's drafter, checked to be a `config_type` drafter and packed for CPU inference."""
+        """The checkpoint's drafter, checked to be a `config_type` drafter, quantized if the config says so
+        (its own layers only: modules it shares with the target are replaced, not changed) and packed for
+        CPU inference."""
         model = load_draft_checkpoint(
             spec.model, target.model, target.model_config, dtype=target.config.torch_dtype
         )
@@ -78,6 +81,8 @@ class HiddenStateDrafter(Drafter):
             raise SpecserveError(
                 f"{spec.model}: a {model.config.architecture} drafter cannot run method {spec.method!r}"
             )
+        if spec.quantization is not None:
+            quantize_model(model, spec.quantization)
         pack_linears(model)
         return model
 
