@@ -327,6 +327,7 @@ def _train(args: argparse.Namespace) -> int:
         markov_rank=args.markov_rank,
         mask_token_id=args.mask_token_id,
         checkpoint_every=args.checkpoint_every,
+        ttt_length=args.ttt_length,
     )
     spec = json.dumps({"method": args.method, "model": str(out)})
     print(f"drafter in {out}; use it with --speculative-config '{spec}'")
@@ -433,11 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     tcache.add_argument("--min-loss-tokens", type=int, default=14)
     tcache.set_defaults(func=_data_target_cache)
 
-    train = sub.add_parser("train", help="train a DSpark or DFlash drafter from a target cache")
+    train = sub.add_parser("train", help="train a DSpark, DFlash or EAGLE-3 drafter from a target cache")
     train.add_argument("--model", default=DEFAULT_MODEL, help="the target")
     train.add_argument("--cache", required=True, help="directory from `specserve data target-cache`")
     train.add_argument("--output", required=True, help="drafter directory (resumes if it holds a state)")
-    train.add_argument("--method", choices=("dspark", "dflash"), default="dspark")
+    train.add_argument("--method", choices=("dspark", "dflash", "eagle3"), default="dspark")
     train.add_argument("--layers", type=int, default=1)
     train.add_argument("--block-size", type=int, default=7)
     train.add_argument("--markov-rank", type=int, default=256)
@@ -446,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=4)
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--num-anchors", type=int, default=128)
+    train.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3: training-time test steps")
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)
     train.set_defaults(func=_train)

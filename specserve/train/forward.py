@@ -14,6 +14,7 @@ import torch
 
 from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.models.base import CausalLM
+from specserve.spec.deepspec.checkpoint import DraftModel
 from specserve.spec.deepspec.dspark import DSparkDraftModel, dense_block_batch
 from specserve.train.anchors import Blocks, make_blocks, sample_anchors
 
@@ -51,9 +52,19 @@ def dspark_training_forward(
         logits = logits + model.markov_head.block_bias(blocks.prev_tokens, h).float()
     confidence = model.confidence_logits(h, blocks.prev_tokens)
     aligned = (anchors[:, None] + torch.arange(B)).clamp(max=seq_len - 1)
-    with torch.no_grad():
-        target_logits = model.compute_logits(target_last_hidden[aligned].to(h.dtype))
-    return TrainingOutput(logits, target_logits, confidence, blocks)
+    return TrainingOutput(logits, target_logits(model, target_last_hidden, aligned), confidence, blocks)
+
+
+@torch.no_grad()
+def target_logits(
+    model: DraftModel, target_last_hidden: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The target's logits [..., V] at `positions` [...] through the drafter's frozen LM head (and Gemma's
+    softcap), as the drafter scores them at inference. Positions past the end get zero logits: a uniform
+    target (DeepSpec's padding), which only masked rows ever see."""
+    seq_len = len(target_last_hidden)
+    hidden = target_last_hidden[positions.clamp(max=seq_len - 1)].to(model.fc.weight.dtype)
+    return model.compute_logits(hidden).masked_fill((positions >= seq_len)[..., None], 0.0)
 
 
 def target_features(

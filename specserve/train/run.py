@@ -8,7 +8,7 @@ from pathlib import Path
 from specserve.models.loader import load_model
 from specserve.models.registry import text_config_of
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
-from specserve.spec.deepspec.config import default_mask_token, new_draft_config
+from specserve.spec.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
 from specserve.train.target_cache import TargetCache
 from specserve.train.trainer import STATE_FILE, TrainConfig, Trainer, append_metrics
 
@@ -24,7 +24,10 @@ def train_drafter(
     markov_rank: int = 256,
     mask_token_id: int | None = None,
     checkpoint_every: int = 500,
+    ttt_length: int = 7,
 ) -> Path:
+    """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank` and `mask_token_id`
+    are DSpark's / DFlash's; `ttt_length` is EAGLE-3's)."""
     from tqdm import tqdm
 
     target, hf_config, tokenizer = load_model(target_model)
@@ -35,18 +38,22 @@ def train_drafter(
         trainer = Trainer.resume(output, target, config_t, cache)
         print(f"resuming {output} at step {trainer.step_index}")
     else:
-        heads = method == "dspark"
-        config = new_draft_config(
-            config_t,
-            num_layers=num_layers,
-            block_size=block_size,
-            target_layer_ids=cache.manifest["target_layer_ids"],
-            mask_token_id=mask_token_id
-            if mask_token_id is not None
-            else default_mask_token(tokenizer, config_t.vocab_size),
-            markov_rank=markov_rank if heads else 0,
-            confidence_head=heads,
-        )
+        layer_ids = cache.manifest["target_layer_ids"]
+        if method == "eagle3":
+            config = new_eagle3_config(config_t, target_layer_ids=layer_ids, ttt_length=ttt_length)
+        else:
+            heads = method == "dspark"
+            config = new_draft_config(
+                config_t,
+                num_layers=num_layers,
+                block_size=block_size,
+                target_layer_ids=layer_ids,
+                mask_token_id=mask_token_id
+                if mask_token_id is not None
+                else default_mask_token(tokenizer, config_t.vocab_size),
+                markov_rank=markov_rank if heads else 0,
+                confidence_head=heads,
+            )
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)
         trainer = Trainer(model, cache, train_config)

@@ -1,5 +1,6 @@
-"""Drafter training loop: AdamW with linear warmup and cosine decay, gradient clipping, the DSpark (or
-DFlash) loss over sampled blocks, checkpoints in DeepSpec's format plus a training state to resume from.
+"""Drafter training loop: AdamW with linear warmup and cosine decay, gradient clipping, the drafter's own
+objective (DSpark / DFlash: sampled blocks; EAGLE-3: training-time test over the whole sequence),
+checkpoints in DeepSpec's format plus a training state to resume from.
 
 Determinism: sample order comes from (seed, epoch) and each sample's anchors from (seed, step, index), so
 resuming from a checkpoint continues exactly as an uninterrupted run would (tested bit for bit on CPU).
@@ -20,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from specserve.spec.deepspec.checkpoint import load_draft_checkpoint, save_draft_checkpoint
-from specserve.spec.deepspec.dspark import DSparkDraftModel
+from specserve.spec.deepspec.checkpoint import DraftModel, load_draft_checkpoint, save_draft_checkpoint
+from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
 from specserve.train.anchors import position_weights
+from specserve.train.eagle3 import eagle3_training_forward
 from specserve.train.forward import dspark_training_forward
-from specserve.train.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, dspark_loss
+from specserve.train.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, LossTerms, dspark_loss, eagle3_loss
 
 STATE_FILE = "training_state.pt"
 
@@ -37,8 +39,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
-    num_anchors: int = 512
-    loss_decay_gamma: float = 4.0
+    num_anchors: int = 512  # DSpark / DFlash blocks per sequence
+    loss_decay_gamma: float = 4.0  # DSpark / DFlash slot weights
     seed: int = 42
 
 
@@ -61,13 +63,13 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def trainable_parameters(model: DSparkDraftModel) -> list[torch.nn.Parameter]:
+def trainable_parameters(model: DraftModel) -> list[torch.nn.Parameter]:
     frozen = {id(p) for p in (*model.embed_tokens.parameters(), *model.lm_head.parameters())}
     return [p for p in model.parameters() if id(p) not in frozen]
 
 
 class Trainer:
-    def __init__(self, model: DSparkDraftModel, samples: Sequence[Sample], config: TrainConfig):
+    def __init__(self, model: DraftModel, samples: Sequence[Sample], config: TrainConfig):
         if type(model.lm_head) is not torch.nn.Linear:
             # The target's inference layer (oneDNN-packed) has no autograd: gradients would silently stop
             # there. Train through a plain frozen copy of the same weight.
@@ -83,9 +85,9 @@ class Trainer:
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        has_heads = model.markov_head is not None or model.confidence_head is not None
-        self.loss_weights = DSPARK_WEIGHTS if has_heads else DFLASH_WEIGHTS
-        self.slot_weights = position_weights(model.config.block_size, config.loss_decay_gamma)
+        self.eagle3 = isinstance(model, Eagle3DraftModel)
+        # draft positions with an acceptance estimate: EAGLE-3's TTT steps or DSpark's block slots
+        self.num_slots = model.config.ttt_length if self.eagle3 else model.config.block_size
         self.step_index = 0
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if distributed else 0
@@ -109,31 +111,13 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         logs = {"ce": 0.0, "l1": 0.0, "conf": 0.0, "loss": 0.0}
-        acceptance = torch.zeros(self.model.config.block_size)
+        acceptance = torch.zeros(self.num_slots)
         indices = self.sample_indices(self.step_index)
         for j in range(self.rank, len(indices), self.world_size):
-            s = self.samples[indices[j]]
             generator = torch.Generator().manual_seed(
                 self.config.seed * 1_000_003 + self.step_index * 1009 + j
             )
-            out = dspark_training_forward(
-                self.model,
-                s.input_ids,
-                s.features,
-                s.last_hidden,
-                s.loss_mask,
-                self.config.num_anchors,
-                generator,
-            )
-            terms = dspark_loss(
-                out.draft_logits,
-                out.target_logits,
-                out.blocks.labels,
-                out.blocks.eval_mask,
-                self.slot_weights,
-                out.confidence_logits,
-                self.loss_weights,
-            )
+            terms = self.sample_loss(self.samples[indices[j]], generator)
             (terms.total / len(indices)).backward()
             for key, value in (
                 ("ce", terms.ce),
@@ -157,6 +141,28 @@ class Trainer:
             "tau": tau,
             "acceptance": acceptance.tolist(),
         }
+
+    def sample_loss(self, s: Sample, generator: torch.Generator) -> LossTerms:
+        """The drafter's objective on one sample (only DSpark's anchor sampling draws from `generator`)."""
+        model = self.model
+        if self.eagle3:
+            out = eagle3_training_forward(
+                model, s.input_ids, s.features, s.last_hidden, s.loss_mask, model.config.ttt_length
+            )
+            return eagle3_loss(out.draft_logits, out.target_logits, out.mask)
+        out = dspark_training_forward(
+            model, s.input_ids, s.features, s.last_hidden, s.loss_mask, self.config.num_anchors, generator
+        )
+        has_heads = model.markov_head is not None or model.confidence_head is not None
+        return dspark_loss(
+            out.draft_logits,
+            out.target_logits,
+            out.blocks.labels,
+            out.blocks.eval_mask,
+            position_weights(model.config.block_size, self.config.loss_decay_gamma),
+            out.confidence_logits,
+            DSPARK_WEIGHTS if has_heads else DFLASH_WEIGHTS,
+        )
 
     def _sum_across_ranks(self, logs: dict, acceptance: torch.Tensor) -> None:
         for p in self.params:

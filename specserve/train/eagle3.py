@@ -1,0 +1,81 @@
+"""EAGLE-3's training-time test (TTT, DSPARK.md §8.3): the drafter unrolled over its own hidden states.
+
+Step 0 is the inference prefill: row t pairs the target's features at t with the token at t+1, at RoPE
+position t, causally. Step k feeds row t the previous step's output hidden state with the token at t+k+1, at
+position t+k: the k-th draft step of the chain anchored after row t, fed the true tokens. Its attention reads
+the step-0 rows up to t and its own chain's rows of steps 1..k, which is the draft cache the inference drafter
+holds at that point (DeepSpec's flex mask "causal over step-0 keys + same-position keys of earlier steps").
+
+Row t of step k is scored against the target's distribution at t+k+1 (uniform past the end) where
+mask_k[t] = mask_0[t+k], mask_0 being the loss mask without the sequence's last token (it has no next token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.spec.deepspec.dspark import DenseDraftBatch
+from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+from specserve.train.forward import target_logits
+
+
+@dataclass
+class TTTOutput:
+    draft_logits: torch.Tensor  # [S, K, V]: row t, step k
+    target_logits: torch.Tensor  # [S, K, V]: the target's at t+k+1, zeros (uniform) past the end
+    mask: torch.Tensor  # [S, K] bool: mask_k[t]
+
+
+@dataclass
+class TTTDraftBatch(DenseDraftBatch):
+    """One TTT step: `block_pos` / `kv_pos` are this step's rows; `mask` reads [every earlier step's K/V |
+    this step's]. The K/V of earlier steps live in `cache` (shared by the steps, as DeepSpec's growing KV
+    cache), RoPE'd at their own step's positions."""
+
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def attend(self, layer, q, k, v, scale):
+        if layer in self.cache:
+            k, v = torch.cat([self.cache[layer][0], k]), torch.cat([self.cache[layer][1], v])
+        self.cache[layer] = (k, v)
+        return super().attend(layer, q, k, v, scale)
+
+
+def ttt_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """[S, (step + 1) S] bool: row t reads step-0 rows <= t and row t of steps 1..step."""
+    t = torch.arange(seq_len, device=device)
+    same_row = torch.eye(seq_len, dtype=torch.bool, device=device).repeat(1, step)
+    return torch.cat([t[None, :] <= t[:, None], same_row], dim=1)
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[t + n] at t, zero past the end."""
+    return torch.cat([x[n:], x.new_zeros(min(n, len(x)))])
+
+
+def eagle3_training_forward(
+    model: Eagle3DraftModel,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    target_last_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_length: int = 7,
+) -> TTTOutput:
+    """input_ids, loss_mask [S]; features [S, n_f H] (target layer outputs); target_last_hidden [S, H]
+    (the target's final-normed hidden states)."""
+    seq_len = len(input_ids)
+    t = torch.arange(seq_len, device=input_ids.device)
+    hidden = model.project_context(features.to(model.fc.weight.dtype))
+    cache: dict = {}
+    logits = []
+    for step in range(ttt_length):
+        batch = TTTDraftBatch(t + step, t + step, ttt_mask(seq_len, step, t.device), cache)
+        hidden = model(shift_left(input_ids, step + 1), hidden, batch)
+        logits.append(model.compute_logits(model.final_hidden(hidden)))
+    mask_0 = loss_mask.bool().clone()
+    mask_0[-1] = False
+    mask = torch.stack([shift_left(mask_0, step) for step in range(ttt_length)], dim=1)
+    aligned = t[:, None] + torch.arange(1, ttt_length + 1, device=t.device)
+    return TTTOutput(torch.stack(logits, dim=1), target_logits(model, target_last_hidden, aligned), mask)
