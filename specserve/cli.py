@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, required=True)
     train.add_argument("--batch-size", type=int, default=4)
     train.add_argument("--lr", type=float, default=6e-4)
-    train.add_argument("--num-anchors", type=int, default=128)
+    train.add_argument("--num-anchors", type=int, default=128, help="per sequence: blocks / EAGLE-3 chains")
     train.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3: training-time test steps")
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)

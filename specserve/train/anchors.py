@@ -28,16 +28,20 @@ def sample_anchors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors [num_anchors], keep [num_anchors]) for one sequence's loss mask [S]."""
     mask = loss_mask.bool()
-    candidates = torch.nonzero(mask[:-1] & mask[1:]).flatten()
-    if len(candidates) > num_anchors:  # uniform without replacement: random keys, keep the smallest
-        keys = torch.rand(len(candidates), generator=generator)
-        candidates = candidates[keys.argsort()[:num_anchors]]
-    chosen = candidates.sort().values
+    chosen = choose(torch.nonzero(mask[:-1] & mask[1:]).flatten(), num_anchors, generator)
     anchors = torch.zeros(num_anchors, dtype=torch.long)
     keep = torch.zeros(num_anchors, dtype=torch.bool)
     anchors[: len(chosen)] = chosen
     keep[: len(chosen)] = True
     return anchors, keep
+
+
+def choose(candidates: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to n of `candidates`, uniformly without replacement (random keys, keep the smallest), ascending."""
+    if len(candidates) > n:
+        keys = torch.rand(len(candidates), generator=generator)
+        candidates = candidates[keys.argsort()[:n]]
+    return candidates.sort().values
 
 
 def make_blocks(

@@ -64,23 +64,26 @@ def dspark_loss(
 
 
 def eagle3_loss(
-    draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, decay: float = EAGLE3_DECAY
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    normaliser: float,
+    decay: float = EAGLE3_DECAY,
 ) -> LossTerms:
-    """EAGLE-3's TTT objective: draft/target logits [S, K, V] (row t, step k), mask [S, K].
+    """EAGLE-3's TTT objective: draft/target logits [R, K, V] (row t, step k), mask [R, K].
 
-    `total` (= `ce`) = sum_k decay^k sum_t mask soft-CE(p, q) / S: DeepSpec divides every step by the rows of
-    the (one-sequence) batch, not by the masked count, so every sequence weighs the same. `l1` (a metric
-    only) is the decay-weighted mean ||q - p||_1; there is no confidence term.
+    `total` (= `ce`) = sum_k decay^k sum_t mask soft-CE(p, q) / normaliser: DeepSpec divides every step by
+    the rows of the (one-sequence) batch, S, not by the masked count, so every sequence weighs the same.
+    `l1` (a metric only) is the decay-weighted mean ||q - p||_1; there is no confidence term.
     """
     log_q = draft_logits.float().log_softmax(-1)
     p = target_logits.float().softmax(-1)
     w = mask.float() * decay ** torch.arange(mask.shape[-1], dtype=torch.float, device=mask.device)
-    normaliser = torch.tensor(float(mask.shape[0]), device=mask.device)
     soft_ce = -(p * log_q).sum(-1)
     total = (soft_ce * w).sum() / normaliser
     distance, _, per_slot = _acceptance(log_q, p, mask)
     l1 = (distance.detach() * w).sum() / w.sum().clamp(min=1e-6)
-    return LossTerms(total, total, l1, torch.zeros_like(l1), per_slot, normaliser)
+    return LossTerms(total, total, l1, torch.zeros_like(l1), per_slot, torch.tensor(normaliser))
 
 
 def _acceptance(

@@ -39,7 +39,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
-    num_anchors: int = 512  # DSpark / DFlash blocks per sequence
+    num_anchors: int = 512  # per sequence: DSpark / DFlash blocks, EAGLE-3 TTT chains (rows)
     loss_decay_gamma: float = 4.0  # DSpark / DFlash slot weights
     seed: int = 42
 
@@ -143,13 +143,20 @@ class Trainer:
         }
 
     def sample_loss(self, s: Sample, generator: torch.Generator) -> LossTerms:
-        """The drafter's objective on one sample (only DSpark's anchor sampling draws from `generator`)."""
+        """The drafter's objective on one sample (anchors or TTT rows are drawn from `generator`)."""
         model = self.model
         if self.eagle3:
             out = eagle3_training_forward(
-                model, s.input_ids, s.features, s.last_hidden, s.loss_mask, model.config.ttt_length
+                model,
+                s.input_ids,
+                s.features,
+                s.last_hidden,
+                s.loss_mask,
+                model.config.ttt_length,
+                self.config.num_anchors,
+                generator,
             )
-            return eagle3_loss(out.draft_logits, out.target_logits, out.mask)
+            return eagle3_loss(out.draft_logits, out.target_logits, out.mask, out.normaliser)
         out = dspark_training_forward(
             model, s.input_ids, s.features, s.last_hidden, s.loss_mask, self.config.num_anchors, generator
         )

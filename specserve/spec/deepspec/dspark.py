@@ -85,17 +85,17 @@ class DraftAttention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, batch: DraftBatch) -> torch.Tensor:
         """x: normed query rows [m, in]; context: projected context rows [n, in] that give K/V only."""
         d = self.geometry.head_dim
-        q = self.q_norm(self.q_proj(x).view(x.shape[0], -1, d))
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (-1, d)))  # (unflatten: also for 0 rows)
         kv_rows = x if context is None else torch.cat([context, x])  # context first (DeepSpec's order)
-        k = self.k_proj(kv_rows).view(kv_rows.shape[0], -1, d)
-        v = k if self.v_proj is None else self.v_proj(kv_rows).view(kv_rows.shape[0], -1, d)
+        k = self.k_proj(kv_rows).unflatten(-1, (-1, d))
+        v = k if self.v_proj is None else self.v_proj(kv_rows).unflatten(-1, (-1, d))
         k = self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
         (q,) = self.rotary(batch.block_pos, q)
         (k,) = self.rotary(batch.kv_pos, k)
         out = batch.attend(self.layer_idx, q, k, v, self.geometry.scale)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(out.flatten(1))
 
 
 class DraftLayer(nn.Module):
