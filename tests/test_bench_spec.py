@@ -47,7 +47,11 @@ def test_spec_benchmark_rows(target, tmp_path):
     assert set(self_row["t_forward_ms"]) == {1, self_row["verified_per_round"] + 1}
     t1 = self_row["t_forward_ms"][1]
     tk = self_row["t_forward_ms"][self_row["verified_per_round"] + 1]
+    # a draft every step: tokens T(1) / (rounds T(k+1) + drafting) = tau T(1) / (T_draft + T(k+1))
+    assert self_row["plain_steps"] == 0 and self_row["rounds"] == 4
     assert self_row["ideal_speedup"] == pytest.approx(
         self_row["tau"] * t1 / (self_row["draft_ms_per_round"] + tk)
     )
+    ngram = by_name["ngram k=2"]  # random tokens rarely repeat: most steps find no n-gram
+    assert ngram["plain_steps"] + ngram["rounds"] * ngram["tau"] == 2 * (new_tokens - 1)
     assert by_name["transformers assisted"]["tau"] is None

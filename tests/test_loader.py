@@ -84,6 +84,20 @@ H, LAYERS, HEADS, KV_HEADS, FFN = 32, 2, 4, 2, 64
 EXPERTS, EXPERT_FFN = 4, 32
 
 
+def gguf_writer(path, arch: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int):
+    """A GGUFWriter with the hyperparameters every tiny test model shares."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    return w
+
+
 def write_tiny_gguf(
     path: Path, arch: str = "qwen2", *, tokenizer: bool = False, lm_head: bool = False
 ) -> dict[str, np.ndarray]:
@@ -92,15 +106,7 @@ def write_tiny_gguf(
     head_dim = H // HEADS
     tokens = _bytes_to_unicode() + ["Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = len(tokens)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1_000_000.0)
+    w = gguf_writer(path, arch, LAYERS, H, FFN, HEADS, KV_HEADS)
     if arch != "qwen2":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -34,7 +34,7 @@ from specserve.models import gguf as sgguf
 from specserve.models.loader import load_model, resolve_model
 from tests import test_lossless
 from tests.paged_harness import PagedHarness
-from tests.test_loader import write_tiny_gguf
+from tests.test_loader import gguf_writer, write_tiny_gguf
 from tests.tiny_models import VOCAB, save_tiny_drafter
 
 MODES = ["int8", "int4"]
@@ -240,15 +240,7 @@ GGUF_TYPES = {
 def write_quantized_gguf(path) -> dict[str, tuple[QT, np.ndarray]]:
     """A one-layer Qwen2 GGUF with Q4_K/Q4_0/Q8_0/F32 linear weights; {hf name: (type, dequantized)}."""
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(1)
-    w.add_context_length(256)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1_000_000.0)
+    w = gguf_writer(path, "qwen2", 1, H, FFN, HEADS, KV_HEADS)
     kv = KV_HEADS * H // HEADS
     shapes = {
         "attn_q": (H, H),

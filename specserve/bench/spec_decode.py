@@ -2,9 +2,11 @@
 and tau per configuration, beside transformers' assisted and prompt-lookup generation, and the ideal
 speedup the measured costs allow.
 
-ideal = tau * T(1) / (T_draft + T(k + 1)), with T(q) one target forward over q tokens at the prompts' context
-length, T_draft the measured drafting time per round and k the draft tokens verified per round. All figures
-come from one run.
+ideal = tokens T(1) / (rounds T(k + 1) + plain steps T(1) + drafting time): the speedup if the forwards and
+the drafter were all that cost time. T(q) is one target forward over q tokens at the prompts' context
+length, timed on each run's engine right after it; k the draft tokens verified per round; plain steps are
+decode steps where the drafter proposed nothing (an n-gram without a match). With a draft every step this
+is tau T(1) / (T_draft + T(k + 1)). All figures come from one run.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ def load_eval_prompts(path: Path, limit: int) -> list[str]:
 @dataclass
 class RunResult:
     name: str
-    tokens: int
+    tokens: int  # decode tokens (the prefill's first token excluded)
     seconds: float
-    tau: float | None = None
-    draft_s_per_round: float | None = None
-    k: int | None = None  # draft tokens verified per round (mean, rounded)
+    rounds: int = 0  # verification rounds (steps that verified at least one draft)
+    emitted: int = 0  # tokens those rounds committed; every other decode step commits one
+    verified: int = 0  # draft tokens verified
+    drafting_s: float = 0.0
     t_forward: dict[int, float] | None = None  # T(q) seconds for q = 1 and k + 1, on this run's engine
 
     @property
@@ -45,11 +48,24 @@ class RunResult:
         return self.tokens / self.seconds
 
     @property
+    def tau(self) -> float | None:
+        return self.emitted / self.rounds if self.rounds else None
+
+    @property
+    def k(self) -> int | None:
+        """Draft tokens verified per round (mean, rounded): a scheduled verify policy checks fewer than k."""
+        return round(self.verified / self.rounds) if self.rounds else None
+
+    @property
     def ideal_speedup(self) -> float | None:
-        """tau T(1) / (T_draft + T(k + 1)): the speedup if nothing but drafting and verifying cost time."""
+        """The speedup if nothing but forwards and drafting cost time: tokens T(1) / (rounds T(k + 1) +
+        plain steps T(1) + drafting time). Plain steps are those where the drafter proposed nothing (an
+        n-gram without a match): they cost a normal decode step and commit one token."""
         if self.t_forward is None:
             return None
-        return self.tau * self.t_forward[1] / (self.draft_s_per_round + self.t_forward[self.k + 1])
+        t1, tk = self.t_forward[1], self.t_forward[self.k + 1]
+        plain_steps = self.tokens - self.emitted
+        return self.tokens * t1 / (self.rounds * tk + plain_steps * t1 + self.drafting_s)
 
 
 def forward_time(llm: LLM, context: int, q: int, repeats: int = 5) -> float:
@@ -84,12 +100,11 @@ def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: 
         seconds += out.metrics.finish_time - out.metrics.first_token_time
         tokens += len(out.outputs[0].token_ids) - 1
     result = RunResult(name, tokens, seconds)
-    rounds = stats.num_drafts - before[0]
-    if llm.engine.drafter is not None and rounds:
-        result.tau = (stats.num_emitted_tokens - before[2]) / rounds
-        result.draft_s_per_round = (stats.drafting_s - before[3]) / rounds
-        # verified drafts per round: a scheduled verify policy checks fewer than k
-        result.k = round((stats.num_draft_tokens - before[1]) / rounds)
+    if llm.engine.drafter is not None:
+        result.rounds = stats.num_drafts - before[0]
+        result.verified = stats.num_draft_tokens - before[1]
+        result.emitted = stats.num_emitted_tokens - before[2]
+        result.drafting_s = stats.drafting_s - before[3]
     return result
 
 
@@ -176,7 +191,9 @@ def run_spec_benchmark(
             "speedup": r.tokens_per_s / results[0].tokens_per_s,
             "tau": r.tau,
             "verified_per_round": r.k,
-            "draft_ms_per_round": None if r.draft_s_per_round is None else 1e3 * r.draft_s_per_round,
+            "rounds": r.rounds,
+            "plain_steps": r.tokens - r.emitted if r.rounds else None,
+            "draft_ms_per_round": 1e3 * r.drafting_s / r.rounds if r.rounds else None,
             "t_forward_ms": {q: 1e3 * t for q, t in (r.t_forward or {}).items()},
             "ideal_speedup": r.ideal_speedup,
         }
@@ -191,7 +208,8 @@ def _row(base: RunResult, r: RunResult) -> str:
     if r.ideal_speedup is not None:
         t1, tk = (1e3 * r.t_forward[q] for q in (1, r.k + 1))
         line += (
-            f"  tau {r.tau:4.2f}  k {r.k}  draft {1e3 * r.draft_s_per_round:5.0f} ms/round"
+            f"  tau {r.tau:4.2f}  k {r.k}  plain steps {r.tokens - r.emitted}"
+            f"  draft {1e3 * r.drafting_s / r.rounds:5.0f} ms/round"
             f"  T(1) {t1:4.0f} ms  T(k+1) {tk:4.0f} ms  ideal x{r.ideal_speedup:4.2f}"
         )
     return line
