@@ -108,21 +108,40 @@ def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: 
     return result
 
 
+class FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives (its first `put` is the
+    prompt), so that decode time excludes the prefill exactly as `finish - first_token_time` does ours."""
+
+    def __init__(self):
+        self.puts = 0
+        self.first_token_time: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_time = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def run_transformers(name: str, model, prompt_ids: list[list[int]], new_tokens: int, **kwargs) -> RunResult:
     from tqdm import tqdm
 
     tokens, seconds = 0, 0.0
     for ids in tqdm(prompt_ids, desc=name, leave=False):
         x = torch.tensor([ids])
-        timings = []
-        for n in (1, new_tokens):  # the first call times the prefill, subtracted to leave decode only
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(
-                    x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kwargs
-                )
-            timings.append(time.perf_counter() - start)
-        seconds += timings[1] - timings[0]
+        clock = FirstTokenClock()
+        with torch.inference_mode():
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                streamer=clock,
+                **kwargs,
+            )
+        seconds += time.perf_counter() - clock.first_token_time
         tokens += out.shape[1] - len(ids) - 1
     return RunResult(name, tokens, seconds)
 
