@@ -24,6 +24,7 @@ from specserve.spec.deepspec.checkpoint import (
 from specserve.spec.deepspec.config import (
     DSparkConfig,
     Eagle3Config,
+    default_mask_token,
     default_target_layer_ids,
     new_draft_config,
     new_eagle3_config,
@@ -436,3 +437,23 @@ def test_drafter_cost_benchmark_runs(tiny_model_dir):
     rows = measure(str(tiny_model_dir("qwen3")), [1], [1, 2], block_size=3, context=8, repeats=1)
     assert [(r.layers, r.requests) for r in rows] == [(1, 1), (1, 2)]
     assert all(r.draft_ms > 0 and r.verify_ms > 0 and r.decode_ms > 0 for r in rows)
+
+
+class FakeTokenizer:
+    def __init__(self, vocab: dict[str, int]):
+        self.vocab = vocab
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+def test_default_mask_token_is_the_first_padding_row():
+    real = {f"t{i}": i for i in range(5)}
+    assert default_mask_token(FakeTokenizer(real), vocab_size=8) == 5  # hub tokenizer: rows 5-7 unnamed
+    gguf_style = {**real, **{f"[PAD{i}]": i for i in range(5, 8)}}  # a GGUF vocabulary names them
+    assert default_mask_token(FakeTokenizer(gguf_style), vocab_size=8) == 5
+    with pytest.raises(SpecserveError, match="give mask_token_id"):
+        default_mask_token(FakeTokenizer({**real, "x": 5, "y": 6, "z": 7}), vocab_size=8)

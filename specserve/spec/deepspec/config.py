@@ -289,9 +289,16 @@ def default_target_layer_ids(num_target_layers: int, count: int = 5) -> list[int
 
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:
-    """The first embedding row past the tokenizer's ids (Qwen pads its vocabulary), as DeepSpec picks."""
-    if tokenizer is not None and len(tokenizer) < vocab_size:
-        return len(tokenizer)
+    """The first embedding row past the tokenizer's ids (Qwen pads its vocabulary), as DeepSpec picks.
+
+    A tokenizer converted from a GGUF file covers those rows with llama.cpp's padding tokens `[PAD<id>]`:
+    the first of them is the same row."""
+    if tokenizer is not None:
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+        padding = [i for token, i in tokenizer.get_vocab().items() if token == f"[PAD{i}]"]
+        if padding:
+            return min(padding)
     raise SpecserveError("no unused embedding row to use as the mask token: give mask_token_id")
 
 
