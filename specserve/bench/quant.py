@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from specserve.bench.spec_decode import CachedContext
 from specserve.config import SamplingParams
 from specserve.engine.model_runner import PieceInput
 from specserve.engine.sequence import Sequence
@@ -162,7 +163,7 @@ class Specserve:
         self.llm = LLM(
             model, quantization=quantization, max_model_len=max_model_len, kv_cache_memory="512MiB"
         )
-        self.context: Sequence | None = None
+        self.cached: CachedContext | None = None
 
     def decode_seconds(self, prompt: list[int], new_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -170,21 +171,15 @@ class Specserve:
         return out.metrics.finish_time - out.metrics.first_token_time
 
     def prepare(self, context: list[int]) -> None:
-        engine = self.llm.engine
-        self.context = Sequence("bench-context", list(context), SamplingParams(), max_tokens=1)
-        engine.block_manager.grow(self.context, len(context) + 16)  # room for q <= 16
-        engine.runner.forward([PieceInput(list(context), 0, self.context.block_table)], [len(context) - 1])
+        self.cached = CachedContext(self.llm, context, 16)  # room for q <= 16
 
     def forward_seconds(self, context_len: int, tokens: list[int]) -> float:
-        piece = PieceInput(tokens, context_len, self.context.block_table)
-        start = time.perf_counter()
-        self.llm.engine.runner.forward([piece], list(range(len(tokens))))
-        return time.perf_counter() - start
+        return self.cached.forward_seconds(tokens)
 
     def release(self) -> None:
-        if self.context is not None:
-            self.llm.engine.block_manager.free(self.context)
-            self.context = None
+        if self.cached is not None:
+            self.cached.release()
+            self.cached = None
 
 
 def source_tokens(tokenizer, modules: list[str]) -> list[list[int]]:

@@ -68,22 +68,35 @@ class RunResult:
         return self.tokens * t1 / (self.rounds * tk + plain_steps * t1 + self.drafting_s)
 
 
+class CachedContext:
+    """`context` held in an engine's KV cache with room for `room` more tokens, to time one target forward
+    over new tokens after it: T(q)."""
+
+    def __init__(self, llm: LLM, context: list[int], room: int):
+        self.engine = llm.engine
+        self.context_len = len(context)
+        self.seq = Sequence("forward-timer", list(context), SamplingParams(), max_tokens=1)
+        self.engine.block_manager.grow(self.seq, len(context) + room)
+        self.engine.runner.forward([PieceInput(list(context), 0, self.seq.block_table)], [len(context) - 1])
+
+    def forward_seconds(self, tokens: list[int]) -> float:
+        piece = PieceInput(tokens, self.context_len, self.seq.block_table)
+        start = time.perf_counter()
+        self.engine.runner.forward([piece], list(range(len(tokens))))
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        self.engine.block_manager.free(self.seq)
+
+
 def forward_time(llm: LLM, context: int, q: int, repeats: int = 5) -> float:
     """Best-of-n seconds for one target forward over q new tokens after `context` cached tokens."""
-    engine = llm.engine
-    seq = Sequence("forward-timer", [0] * (context + q), SamplingParams(), max_tokens=1)
-    engine.block_manager.grow(seq, context + q)
     tokens = list(range(100, 100 + context + q))
+    cached = CachedContext(llm, tokens[:context], q)
     try:
-        engine.runner.forward([PieceInput(tokens[:context], 0, seq.block_table)], [context - 1])
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            engine.runner.forward([PieceInput(tokens[context:], context, seq.block_table)], list(range(q)))
-            best = min(best, time.perf_counter() - start)
-        return best
+        return min(cached.forward_seconds(tokens[context:]) for _ in range(repeats))
     finally:
-        engine.block_manager.free(seq)
+        cached.release()
 
 
 def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: int) -> RunResult:
