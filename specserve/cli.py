@@ -11,15 +11,19 @@ from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
 
+def _quantization_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
+    )
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="short name, local dir, .gguf file or hub id")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
-    )
+    _quantization_arg(parser)
     parser.add_argument(
         "--speculative-config",
         default=None,
@@ -85,7 +89,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         model=args.model,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
-        batch_sizes=_int_list(args.batch_sizes),
+        batch_sizes=args.batch_sizes,
         compare_transformers=not args.no_transformers,
     )
     return 0
@@ -101,7 +105,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
         prompt_files=[Path(p) for p in args.prompts.split(",")],
         num_prompts=args.num_prompts,
         new_tokens=args.new_tokens,
-        configs=_named_configs(args.drafter) or default_configs(args.draft_model, _int_list(args.ks)),
+        configs=_named_configs(args.drafter) or default_configs(args.draft_model, args.ks),
         assistant=None if args.no_transformers else args.draft_model,
     )
     return 0
@@ -117,8 +121,8 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     print(HEADER)
     measure(
         args.model,
-        _int_list(args.layers),
-        _int_list(args.batch_sizes),
+        args.layers,
+        args.batch_sizes,
         args.block_size,
         args.context,
         args.repeats,
@@ -283,9 +287,7 @@ def _data_target_cache(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise SpecserveError(f"{args.model} has no tokenizer: the chat template gives the loss masks")
     num_layers = text_config_of(hf_config).num_hidden_layers
-    layer_ids = (
-        _int_list(args.target_layer_ids) if args.target_layer_ids else default_target_layer_ids(num_layers)
-    )
+    layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers)
     with open(args.data) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     conversations = [r["conversations"] for r in rows if r.get("status", "success") == "success"]
@@ -399,9 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", default="2GiB")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
-    srv.add_argument(
-        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
-    )
+    _quantization_arg(srv)
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument(
         "--max-waiting-requests", type=int, default=256, help="beyond the running batch; more get 429"
@@ -429,7 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     tcache.add_argument("--model", default=DEFAULT_MODEL)
     tcache.add_argument("--data", required=True, help="JSONL of conversations (from regenerate)")
     tcache.add_argument("--output", required=True)
-    tcache.add_argument("--target-layer-ids", default=None, help="comma-separated; default: DFlash's rule")
+    tcache.add_argument(
+        "--target-layer-ids", type=_int_list, default=None, help="comma-separated; default: DFlash's rule"
+    )
     tcache.add_argument("--max-length", type=int, default=4096)
     tcache.add_argument("--min-loss-tokens", type=int, default=14)
     tcache.set_defaults(func=_data_target_cache)
@@ -470,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--model", default=DEFAULT_MODEL)
     dec.add_argument("--prompt-len", type=int, default=200)
     dec.add_argument("--new-tokens", type=int, default=128)
-    dec.add_argument("--batch-sizes", default="1,8,32")
+    dec.add_argument("--batch-sizes", type=_int_list, default="1,8,32")
     dec.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     dec.set_defaults(func=_bench_decode)
     spec = bench_sub.add_parser("spec", help="batch-1 speculative decoding: tokens/s, tau, ideal speedup")
@@ -479,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompts", required=True, help="comma-separated DeepSpec eval .jsonl files")
     spec.add_argument("--num-prompts", type=int, default=10, help="per file")
     spec.add_argument("--new-tokens", type=int, default=128)
-    spec.add_argument("--ks", default="3,5,8", help="num_speculative_tokens values")
+    spec.add_argument("--ks", type=_int_list, default="3,5,8", help="num_speculative_tokens values")
     spec.add_argument(
         "--drafter",
         action="append",
@@ -490,8 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
     spec.set_defaults(func=_bench_spec)
     cost = bench_sub.add_parser("drafter", help="DSpark drafting round cost against target verification")
     cost.add_argument("--model", default=DEFAULT_MODEL)
-    cost.add_argument("--layers", default="1,2", help="draft depths (random-initialised drafters)")
-    cost.add_argument("--batch-sizes", default="1,16", help="requests drafted and verified together")
+    cost.add_argument(
+        "--layers", type=_int_list, default="1,2", help="draft depths (random-initialised drafters)"
+    )
+    cost.add_argument(
+        "--batch-sizes", type=_int_list, default="1,16", help="requests drafted and verified together"
+    )
     cost.add_argument("--block-size", type=int, default=7)
     cost.add_argument("--context", type=int, default=512)
     cost.add_argument("--repeats", type=int, default=7)

@@ -55,3 +55,12 @@ def test_spec_benchmark_rows(target, tmp_path):
     ngram = by_name["ngram k=2"]  # random tokens rarely repeat: most steps find no n-gram
     assert ngram["plain_steps"] + ngram["rounds"] * ngram["tau"] == 2 * (new_tokens - 1)
     assert by_name["transformers assisted"]["tau"] is None
+
+
+def test_comma_lists_are_checked_by_the_parser(capsys):
+    from specserve.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "spec", "--prompts", "p.jsonl"]).ks == [3, 5, 8]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "spec", "--prompts", "p.jsonl", "--ks", "3,a"])
+    assert "expected comma-separated integers, got '3,a'" in capsys.readouterr().err
