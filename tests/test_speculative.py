@@ -51,6 +51,13 @@ SPEC_CONFIGS = {
         "model": dirs("qwen2"),
         "num_speculative_tokens": 5,
     },
+    # Draft probabilities as confidences for the load-aware planner; near max_tokens it gets empty proposals.
+    "draft_model_scheduled": lambda dirs: {
+        "method": "draft_model",
+        "model": dirs("qwen2"),
+        "num_speculative_tokens": 5,
+        "verify_policy": "dspark",
+    },
 }
 
 
@@ -178,7 +185,10 @@ def check_context_bookkeeping(calls) -> None:
 
 
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
-def test_greedy_speculation_equals_greedy_decoding(name, target_dir, reference, tiny_model_dir):
+def test_greedy_speculation_equals_greedy_decoding(
+    name, target_dir, reference, tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))  # where a scheduled policy caches its profile
     prompts, expected = reference
     spec = SPEC_CONFIGS[name](lambda arch: str(tiny_model_dir(arch)))
     llm = LLM(target_dir, max_model_len=256, speculative_config=spec)

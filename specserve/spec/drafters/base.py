@@ -38,7 +38,9 @@ class DraftProposal:
         if self.confidences is not None:
             return self.confidences
         if self.probs is not None:
-            return self.probs[torch.arange(len(self.token_ids)), torch.tensor(self.token_ids)]
+            # dtype: a proposal truncated to nothing (max_tokens reached) has no ids to infer it from
+            drafted = torch.tensor(self.token_ids, dtype=torch.long)
+            return self.probs[torch.arange(len(drafted)), drafted]
         return torch.ones(len(self.token_ids))
 
 
