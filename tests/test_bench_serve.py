@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -230,6 +234,32 @@ def test_sweep_end_to_end(chat_model_dir, tmp_path, capsys):
     (out / "report.md").unlink()  # the report can be redrawn from the JSON lines alone
     assert main(["bench", "sweep", "--config", str(path), "--report-only"]) == 0
     assert (out / "report.md").read_text() == report
+
+
+def test_terminating_a_sweep_stops_its_server(chat_model_dir, tmp_path):
+    out = tmp_path / "sweep"
+    config = {
+        "model": str(chat_model_dir),
+        "output_dir": str(out),
+        "server_args": {"kv-cache-memory": "16MiB", "max-model-len": 256},
+        "benchmark": {"input_len": 16, "output_len": 64, "concurrency": [1], "num_prompts": 10_000},
+        "configurations": [{"name": "none"}],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "bench", "sweep", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    log = out / "server-none.log"
+    pattern = r"completed: 16 prompt tokens"  # the benchmark is running against the server
+    wait_until(lambda: log.exists() and re.search(pattern, log.read_text()), 120, "a completed request")
+    port = int(re.search(r"127\.0\.0\.1:(\d+)", log.read_text())[1])
+    sweep.send_signal(signal.SIGTERM)
+    assert sweep.wait(90) == 130
+    with socket.socket() as sock:  # the server went with the sweep
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):

@@ -139,6 +139,20 @@ def _known_keys(
 
 def run_sweep(config: SweepConfig, report_only: bool = False) -> int:
     """Benchmark every configuration (unless `report_only`), then write the report; 2 if any failed."""
+    # A terminated sweep unwinds like Ctrl-C, through launch_server's cleanup: without this its server
+    # outlived it, holding the model's memory (the next sweep's servers were killed for lack of it).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run_sweep(config, report_only)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_sweep(config: SweepConfig, report_only: bool) -> int:
     out = config.output_dir
     results = out / "results.jsonl"
     failures = []
