@@ -1,5 +1,6 @@
 """Statistical losslessness of the whole engine: with a poor drafter, sampled continuations follow the
-exact target distribution, computed by enumeration with transformers; a broken sampler fails the test.
+exact target distribution, computed by enumeration with transformers; a broken sampler fails the test, and
+so does a verify policy that reads a draft's own probability.
 Every drafter kind runs here (draft model; DSpark with each sequential head, with and without confidence
 truncation; DFlash), its sampled requests batched together with greedy requests on other prompts."""
 
@@ -85,8 +86,19 @@ def drafters(models, tmp_path_factory):
     profile = CostProfile([1, 4096], [1.001, 1 + 0.001 * 4096]).save(
         tmp_path_factory.mktemp("cost") / "p.json"
     )
+    # Drafting costs 0.1 s a step: the draft model stops early where the next draft would not pay.
+    drafting = CostProfile(
+        [1, 4096], [1.001, 1 + 0.001 * 4096], draft_requests=[1, 4096], draft_s=[0.3, 0.3]
+    ).save(tmp_path_factory.mktemp("cost") / "p.json")
     return {
         "draft_model": {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3},
+        "draft_model_scheduled": {
+            "method": "draft_model",
+            "model": draft_dir,
+            "num_speculative_tokens": 3,
+            "verify_policy": "dspark",
+            "cost_profile": str(drafting),
+        },
         "dspark_vanilla": {"method": "dspark", "model": vanilla},
         "dspark_scheduled": {
             "method": "dspark",
@@ -201,6 +213,7 @@ CASES = {
         ("dflash", "temperature_1"),
         ("eagle3", "temperature_1"),
         ("dspark_scheduled", "temperature_1"),
+        ("draft_model_scheduled", "temperature_1"),
         ("dspark_async", "temperature_0.7_top_p_top_k"),
     ],
 )
@@ -223,6 +236,23 @@ def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):
     exact = exact_joint(reference, params, 3)
     counts = sampled_joint(target_dir, drafters["dspark_vanilla"], params, 3)
     assert chi_square_pvalue(counts, exact, NUM_SAMPLES) < 1e-6
+
+
+def test_verifying_drafts_by_their_own_probability_fails(models, drafters, monkeypatch):
+    """Power check of Appendix A on a real engine: a scheduled policy that reads q(d_j), which depends on
+    d_j itself, as the draft model's confidence verifies a biased selection of drafts, and it shows."""
+    from specserve.spec.drafters.base import DraftProposal
+
+    def own_probability(self):
+        drafted = torch.tensor(self.token_ids, dtype=torch.long)
+        return self.probs[torch.arange(len(drafted)), drafted]
+
+    monkeypatch.setattr(DraftProposal, "slot_confidences", own_probability)
+    reference, target_dir, _, _ = models
+    params = CASES["temperature_1"]
+    exact = exact_joint(reference, params, 3)
+    counts = sampled_joint(target_dir, drafters["draft_model_scheduled"], params, 3, DRAFTER_SAMPLES)
+    assert chi_square_pvalue(counts, exact, DRAFTER_SAMPLES) < 1e-6
 
 
 def test_enumeration_is_a_distribution(models):

@@ -61,7 +61,7 @@ def frequencies_pvalue(tokens: torch.Tensor, probs: list[float]) -> float:
 
 
 def test_appendix_a_early_stopping_is_lossless_and_retrospection_is_not():
-    ours = appendix_a_first_tokens(lambda p: DSparkPlanner(APPENDIX_A).plan([p], 1).lengths[0])
+    ours = appendix_a_first_tokens(lambda p: DSparkPlanner(APPENDIX_A, 2).plan([p], 1).lengths[0])
     assert frequencies_pvalue(ours, [0.7, 0.3]) > 0.001
     biased = appendix_a_first_tokens(retrospective_length)
     assert frequencies_pvalue(biased, [0.85, 0.15]) > 0.001
@@ -93,7 +93,7 @@ def test_algorithm_1_matches_brute_force(seed):
     ]
     base = num_requests + int(torch.randint(0, 3, (1,), generator=g))
     profile = convex_profile(g, base + sum(len(s) for s in survivals))
-    lengths = greedy_admission(survivals, base, profile)
+    lengths = greedy_admission(survivals, base, profile).lengths
     value = (num_requests + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))) / profile.step_time(
         base + sum(lengths)
     )
@@ -106,14 +106,14 @@ def proposal_with(confidences: list[float]) -> DraftProposal:
 
 def test_async_capacity_comes_from_two_steps_earlier():
     profile = CostProfile([1, 8, 64], [1.0, 1.2, 6.0])
-    planner = AsyncDSparkPlanner(profile)
+    planner = AsyncDSparkPlanner(profile, 5)
     g = torch.Generator().manual_seed(5)
     steps = [[proposal_with(torch.rand(5, generator=g).tolist()) for _ in range(3)] for _ in range(6)]
     for t, proposals in enumerate(steps):
         plan = planner.plan(proposals, 3)
         if t >= 2:
             old = [torch.cumprod(p.confidences, 0) for p in steps[t - 2]]
-            capacity = sum(greedy_admission(old, 3, profile))
+            capacity = sum(greedy_admission(old, 3, profile).lengths)
             assert sum(plan.lengths) == min(capacity, 15)
             # the chosen drafts are the top `capacity` by survival: prefixes of each request
             now = [torch.cumprod(p.confidences, 0) for p in proposals]
@@ -127,10 +127,22 @@ def test_budget_per_request_falls_with_load():
     mean_budget = []
     for num_requests in (1, 4, 16, 64):
         proposals = [proposal_with([0.8] * 7) for _ in range(num_requests)]
-        plan = DSparkPlanner(profile).plan(proposals, num_requests)
+        plan = DSparkPlanner(profile, 7).plan(proposals, num_requests)
         mean_budget.append(sum(plan.lengths) / num_requests)
     assert all(a >= b for a, b in zip(mean_budget, mean_budget[1:]))
     assert mean_budget[0] == 7 and mean_budget[-1] <= 1 and mean_budget[1] > mean_budget[-1]
+
+
+@pytest.mark.parametrize(
+    "confidence, round_s, expected",
+    [(0.9, 0.4, True), (0.2, 0.4, False), (0.9, 4.0, False)],  # (a round drafts 4 tokens)
+)
+def test_a_serial_drafter_drafts_on_only_where_it_pays(confidence, round_s, expected):
+    """Verification is free here: one more draft step pays when its expected survival (a_j c_j) adds more
+    tokens per second than its drafting time takes away."""
+    profile = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[round_s, round_s])
+    planner = DSparkPlanner(profile, 4)
+    assert planner.keep_drafting([proposal_with([confidence])], 1) == [expected]
 
 
 def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -97,7 +98,9 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.from_value(speculative_config)
         self.spec_stats = SpecStats()
         self.drafter = build_drafter(self.spec_config, self) if self.spec_config else None
-        self.planner = build_planner(self.spec_config, self._cost_profile()) if self.spec_config else None
+        if self.drafter is not None:
+            self.num_draft_tokens = self.spec_config.num_speculative_tokens or self.drafter.default_num_tokens
+            self.planner = build_planner(self.spec_config, self._cost_profile(), self.num_draft_tokens)
         self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
         self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
         self.verification_records: VerificationRecords | None = None  # set to collect STS data
@@ -272,15 +275,16 @@ class LLMEngine:
         if not decoding:
             return
         start = time.perf_counter()
-        num_tokens = self.spec_config.num_speculative_tokens or self.drafter.default_num_tokens
-        proposals = self.drafter.propose(decoding, num_tokens)
+        base_tokens = len(decoding) + self._pending_prefill_tokens()
+        keep_drafting = functools.partial(self.planner.keep_drafting, base_tokens=base_tokens)
+        proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)
         self.spec_stats.drafting_s += time.perf_counter() - start
         capped = []
         for seq, proposal in zip(decoding, proposals):
             # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
             room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             capped.append(proposal.truncate(max(0, room)))
-        self._planned = self.planner.plan(capped, len(decoding) + self._pending_prefill_tokens())
+        self._planned = self.planner.plan(capped, base_tokens)
         for seq, proposal, length in zip(decoding, capped, self._planned.lengths):
             proposal = proposal.truncate(length)
             seq.draft = proposal if proposal.token_ids else None

@@ -194,7 +194,7 @@ def profile_engine(engine, num_tokens: int, repeats: int = 3) -> CostProfile:
         for r in request_grid:
             seqs = fake_requests(r, context, engine.vocab_size)
             drafter = engine.drafter
-            k = engine.spec_config.num_speculative_tokens or drafter.default_num_tokens
+            k = engine.num_draft_tokens
             prime_drafter(drafter, seqs, k)
             draft_s.append(sorted(time_draft_round(drafter, seqs, k) for _ in range(repeats))[repeats // 2])
             for seq in seqs:

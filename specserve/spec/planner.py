@@ -16,6 +16,10 @@ are independent of this one's).
 - `dspark_async` (paper §5.2): the batch capacity K comes from the confidences of two steps earlier (known
   before anything of this step was drafted); this step verifies the top K candidates by a_rj, no early
   stop. Survival decreases along a request's drafts, so the top K form a prefix of each request.
+
+Serial drafters (a draft model) also ask the scheduled policies, after each draft step, which requests are
+worth another draft (`keep_drafting`): drafting is then paid only where it can pay. That decision reads
+only the drafts already sampled, so the drafted prefix is a stopping time as well.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ class VerifyPlanner:
         """`base_tokens`: tokens the step carries besides drafts (anchors, prefill chunks)."""
         raise NotImplementedError
 
+    def keep_drafting(self, proposals: list[DraftProposal], base_tokens: int) -> list[bool]:
+        """After a serial drafter's step: which requests draft one more token (all, unless scheduled)."""
+        return [True] * len(proposals)
+
 
 class FixedPlanner(VerifyPlanner):
     def plan(self, proposals, base_tokens):
@@ -71,9 +79,20 @@ class ThresholdPlanner(VerifyPlanner):
         return Plan(lengths, _expected(proposals, lengths))
 
 
-def greedy_admission(survivals: list[torch.Tensor], base_tokens: int, profile: CostProfile) -> list[int]:
-    """Algorithm 1 with causal early stopping; returns the verified length per request."""
-    draft_s = profile.draft_time(len(survivals))  # already spent this step; part of the step time
+@dataclass
+class Admission:
+    lengths: list[int]  # verified drafts per request
+    expected: float  # tokens the step is expected to emit (one per request plus the verified survival)
+    throughput: float  # expected tokens per second of step time, drafting included
+
+
+def greedy_admission(
+    survivals: list[torch.Tensor], base_tokens: int, profile: CostProfile, draft_s: float | None = None
+) -> Admission:
+    """Algorithm 1 with causal early stopping. `draft_s`: the step's drafting time (already spent, part of
+    the step time); by default the profiled round of the full draft length."""
+    if draft_s is None:
+        draft_s = profile.draft_time(len(survivals))
     tokens, expected = base_tokens, float(len(survivals))  # each request emits at least one token
     best = expected / (profile.step_time(tokens) + draft_s)
     lengths = [0] * len(survivals)
@@ -83,35 +102,74 @@ def greedy_admission(survivals: list[torch.Tensor], base_tokens: int, profile: C
             break  # never look further: later candidates may depend on drafts this one would verify
         best, expected, tokens = throughput, expected + a, tokens + 1
         lengths[r] = j + 1
-    return lengths
+    return Admission(lengths, expected, best)
 
 
-class DSparkPlanner(VerifyPlanner):
-    def __init__(self, profile: CostProfile):
+class ScheduledPlanner(VerifyPlanner):
+    """The policies that read the cost profile (`num_tokens`: the draft length of its drafting rounds)."""
+
+    def __init__(self, profile: CostProfile, num_tokens: int):
         self.profile = profile
+        self.num_tokens = num_tokens
 
+    def keep_drafting(self, proposals, base_tokens):
+        """Draft on for the requests whose every draft the plan verifies so far, best first, as many as
+        raise the expected throughput once one more draft step is paid. A next draft is expected to
+        survive as the last one did: a_(j+1) ~ a_j c_j."""
+        survivals = [survival(p) for p in proposals]
+        steps = max(len(s) for s in survivals)
+        step_s = self.profile.draft_time(len(survivals)) / self.num_tokens
+        now = greedy_admission(survivals, base_tokens, self.profile, steps * step_s)
+        gains = sorted(
+            (
+                (_next_survival(s), r)
+                for r, s in enumerate(survivals)
+                if len(s) == steps and now.lengths[r] == steps
+            ),
+            reverse=True,
+        )
+        best, chosen, expected, tokens = now.throughput, 0, now.expected, base_tokens + sum(now.lengths)
+        for m, (gain, _) in enumerate(gains, 1):
+            expected += gain
+            throughput = expected / (self.profile.step_time(tokens + m) + (steps + 1) * step_s)
+            if throughput > best:
+                best, chosen = throughput, m
+        keep = [False] * len(survivals)
+        for _, r in gains[:chosen]:
+            keep[r] = True
+        return keep
+
+
+def _next_survival(s: torch.Tensor) -> float:
+    """a_j c_j: the survival of a next draft as confident as the last one (c_j = a_j / a_(j-1))."""
+    if len(s) == 1:
+        return float(s[0] ** 2)
+    return float(s[-1] * s[-1] / s[-2]) if s[-2] > 0 else 0.0
+
+
+class DSparkPlanner(ScheduledPlanner):
     def plan(self, proposals, base_tokens):
         survivals = [survival(p) for p in proposals]
-        lengths = greedy_admission(survivals, base_tokens, self.profile)
+        lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
         return Plan(lengths, _expected(proposals, lengths, survivals))
 
 
-class AsyncDSparkPlanner(VerifyPlanner):
+class AsyncDSparkPlanner(ScheduledPlanner):
     LAG = 2  # steps between the confidences that size the batch and the ones it is filled with
 
-    def __init__(self, profile: CostProfile):
-        self.profile = profile
+    def __init__(self, profile: CostProfile, num_tokens: int):
+        super().__init__(profile, num_tokens)
         self.history: deque[tuple[list[torch.Tensor], int]] = deque(maxlen=self.LAG)
 
     def plan(self, proposals, base_tokens):
         survivals = [survival(p) for p in proposals]
         if len(self.history) == self.LAG:
-            capacity = sum(greedy_admission(*self.history[0], self.profile))
+            capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
             lengths = [0] * len(proposals)
             for _, j, r in ranked_candidates(survivals)[:capacity]:
                 lengths[r] = max(lengths[r], j + 1)
         else:  # no history yet: the causal planner on this step's confidences
-            lengths = greedy_admission(survivals, base_tokens, self.profile)
+            lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
         self.history.append((survivals, base_tokens))
         return Plan(lengths, _expected(proposals, lengths, survivals))
 
@@ -122,10 +180,12 @@ def _expected(proposals: list[DraftProposal], lengths: list[int], survivals=None
     return sum(float(s[:n].sum()) for s, n in zip(survivals, lengths) if n)
 
 
-def build_planner(config: SpeculativeConfig, profile: CostProfile | None) -> VerifyPlanner:
+def build_planner(config: SpeculativeConfig, profile: CostProfile | None, num_tokens: int) -> VerifyPlanner:
+    """`num_tokens`: the draft length of each round (what the profile's drafting rounds drafted)."""
     if config.verify_policy == "threshold":
         return ThresholdPlanner(config.confidence_threshold)
     if config.verify_policy in ("dspark", "dspark_async"):
         assert profile is not None, "the scheduled policies need a cost profile"
-        return DSparkPlanner(profile) if config.verify_policy == "dspark" else AsyncDSparkPlanner(profile)
+        planner = DSparkPlanner if config.verify_policy == "dspark" else AsyncDSparkPlanner
+        return planner(profile, num_tokens)
     return FixedPlanner()

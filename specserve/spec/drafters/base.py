@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,15 +34,19 @@ class DraftProposal:
 
     def slot_confidences(self) -> torch.Tensor:
         """Per-draft survival estimates for verify policies: the confidence head's where there is one,
-        else the draft probability of each drafted token (a model drafter's own belief), else 1 (a
-        deterministic lookup has no belief to offer)."""
+        else the peak of each draft distribution, else 1 (a deterministic lookup has no belief to offer).
+        Never the drafted token's own probability: a policy that verifies d_j because q(d_j) is high
+        keeps only the drafts rejection sampling would favour, and the output is no longer the target's
+        (Appendix A); the peak of q_j is known before d_j is sampled."""
         if self.confidences is not None:
             return self.confidences
         if self.probs is not None:
-            # dtype: a proposal truncated to nothing (max_tokens reached) has no ids to infer it from
-            drafted = torch.tensor(self.token_ids, dtype=torch.long)
-            return self.probs[torch.arange(len(drafted)), drafted]
+            return self.probs.amax(dim=-1)
         return torch.ones(len(self.token_ids))
+
+
+# The drafts so far per sequence -> which sequences draft one more token (the verify planner decides).
+KeepDrafting = Callable[[list["DraftProposal"]], list[bool]]
 
 
 class Drafter:
@@ -59,7 +64,11 @@ class Drafter:
     capture_layers: tuple[int, ...] = ()
     default_num_tokens: int = 3
 
-    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+    def propose(
+        self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None
+    ) -> list[DraftProposal]:
+        """Up to `num_tokens` drafts per sequence. A serial drafter asks `keep_drafting` after each draft
+        step which sequences draft on; drafters that draft a block at once may ignore it."""
         raise NotImplementedError
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from specserve.engine.kv_cache import BlockManager
 from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec.drafters.base import Drafter, DraftProposal, sample_drafts
+from specserve.spec.drafters.base import Drafter, DraftProposal, KeepDrafting, sample_drafts
 
 
 @dataclass
@@ -73,26 +73,40 @@ class DraftModelDrafter(Drafter):
         if state is not None:
             self.blocks.shrink(state, 0)
 
-    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+    def propose(
+        self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None
+    ) -> list[DraftProposal]:
         if not seqs:
             return []
         states = [self._sync(seq) for seq in seqs]
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for _ in range(num_tokens):
+        active = list(range(len(seqs)))  # the sequences still drafting
+        for step in range(num_tokens):
             pieces = []
-            for seq, state, drafts in zip(seqs, states, drafted):
-                tokens = seq.all_token_ids + drafts
-                new = tokens[len(state.fed) :]
-                self.blocks.grow(state, len(tokens))
-                pieces.append(PieceInput(new, len(state.fed), state.block_table))
-                state.fed = tokens
+            for i in active:
+                tokens = seqs[i].all_token_ids + drafted[i]
+                new = tokens[len(states[i].fed) :]
+                self.blocks.grow(states[i], len(tokens))
+                pieces.append(PieceInput(new, len(states[i].fed), states[i].block_table))
+                states[i].fed = tokens
             rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
             logits = self.runner.forward(pieces, rows.tolist()).logits
-            q, tokens = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
-            for i, token in enumerate(tokens):
+            q, tokens = sample_drafts(
+                logits,
+                [seqs[i] for i in active],
+                [drafted[i] for i in active],
+                self.vocab_size,
+                self.generator,
+            )
+            for i, row, token in zip(active, q, tokens):
                 drafted[i].append(token)
-                q_rows[i].append(q[i])
+                q_rows[i].append(row)
+            if keep_drafting is not None and step + 1 < num_tokens:
+                keep = keep_drafting([DraftProposal(d, torch.stack(r)) for d, r in zip(drafted, q_rows)])
+                active = [i for i in active if keep[i]]
+                if not active:
+                    break
         # The last draft was sampled but never fed: the cache holds tokens up to d_{k-1}.
         return [DraftProposal(d, torch.stack(rows)) for d, rows in zip(drafted, q_rows)]
 

@@ -54,7 +54,7 @@ class DSparkDrafter(HiddenStateDrafter):
             )
         return cls(model, target)
 
-    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+    def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
         num_tokens = min(num_tokens, self.block_size)
         ready = self.ready(seqs)
         proposals = [DraftProposal([]) for _ in seqs]

@@ -33,7 +33,7 @@ class Eagle3Drafter(HiddenStateDrafter):
         model = cls.load(spec, target, Eagle3Config)
         return cls(model, target, spec.num_speculative_tokens or model.config.ttt_length)
 
-    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+    def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
         num_tokens = min(num_tokens, self.max_num_tokens)
         # The first draft comes from the newest context row: a request needs at least one pending row.
         ready = [i for i in self.ready(seqs) if self.states[seqs[i].request_id].num_pending]

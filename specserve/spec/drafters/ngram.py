@@ -27,7 +27,7 @@ class NgramDrafter(Drafter):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[DraftProposal]:
+    def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
         return [
             DraftProposal(lookup(np.asarray(s.all_token_ids), self.min_n, self.max_n, num_tokens))
             for s in seqs
