@@ -41,8 +41,13 @@ class DraftProposal:
         if self.confidences is not None:
             return self.confidences
         if self.probs is not None:
-            return self.probs.amax(dim=-1)
+            return peak_confidences(self.probs)
         return torch.ones(len(self.token_ids))
+
+
+def peak_confidences(q: torch.Tensor) -> torch.Tensor:
+    """A model drafter's per-draft confidence: the peak of each draft distribution (rows of `q`)."""
+    return q.amax(dim=-1)
 
 
 # The drafts so far per sequence -> which sequences draft one more token (the verify planner decides).

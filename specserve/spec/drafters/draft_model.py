@@ -17,7 +17,13 @@ from specserve.engine.kv_cache import BlockManager
 from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec.drafters.base import Drafter, DraftProposal, KeepDrafting, sample_drafts
+from specserve.spec.drafters.base import (
+    Drafter,
+    DraftProposal,
+    KeepDrafting,
+    peak_confidences,
+    sample_drafts,
+)
 
 
 @dataclass
@@ -81,6 +87,7 @@ class DraftModelDrafter(Drafter):
         states = [self._sync(seq) for seq in seqs]
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        confidences: list[list[float]] = [[] for _ in seqs]  # what keep_drafting reads (not the V-wide rows)
         active = list(range(len(seqs)))  # the sequences still drafting
         for step in range(num_tokens):
             pieces = []
@@ -99,11 +106,13 @@ class DraftModelDrafter(Drafter):
                 self.vocab_size,
                 self.generator,
             )
-            for i, row, token in zip(active, q, tokens):
+            for i, row, token, confidence in zip(active, q, tokens, peak_confidences(q).tolist()):
                 drafted[i].append(token)
                 q_rows[i].append(row)
+                confidences[i].append(confidence)
             if keep_drafting is not None and step + 1 < num_tokens:
-                keep = keep_drafting([DraftProposal(d, torch.stack(r)) for d, r in zip(drafted, q_rows)])
+                so_far = [DraftProposal(d, None, torch.tensor(c)) for d, c in zip(drafted, confidences)]
+                keep = keep_drafting(so_far)
                 active = [i for i in active if keep[i]]
                 if not active:
                     break
