@@ -244,6 +244,8 @@ def test_verifying_drafts_by_their_own_probability_fails(models, drafters, monke
     from specserve.spec.drafters.base import DraftProposal
 
     def own_probability(self):
+        if self.probs is None:  # what keep_drafting reads carries the peaks only
+            return self.confidences
         drafted = torch.tensor(self.token_ids, dtype=torch.long)
         return self.probs[torch.arange(len(drafted)), drafted]
 
