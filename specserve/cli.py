@@ -220,7 +220,7 @@ def _profile(args: argparse.Namespace) -> int:
     if engine.drafter is None:
         raise SpecserveError("profile needs --speculative-config: the drafter's cost is part of the table")
     profile = profile_engine(engine, engine.config.max_num_batched_tokens)
-    key = engine_key(engine, engine.spec_config.model)
+    key = engine_key(engine)
     profile.meta.update(key)
     path = profile.save(args.output or cache_path(key))
     profile.plot(path.with_suffix(".png"))

@@ -191,8 +191,10 @@ class SpeculativeConfig:
     drafters. `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
     `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`),
     `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
-    file `cost_profile`, or one measured at start and cached). `quantization` ("int8" | "int4") makes the
-    drafter's linear layers weight-only quantized, independently of the target's.
+    file `cost_profile`, or one measured at start and cached); with `live_recalibration` (the default)
+    those read the drafter's confidences corrected by the acceptance the engine has seen so far.
+    `quantization` ("int8" | "int4") makes the drafter's linear layers weight-only quantized,
+    independently of the target's.
     """
 
     method: str
@@ -203,6 +205,7 @@ class SpeculativeConfig:
     verify_policy: str = "fixed"
     confidence_threshold: float | None = None
     cost_profile: str | None = None
+    live_recalibration: bool = True
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -227,6 +230,10 @@ class SpeculativeConfig:
             )
         else:
             _check(threshold is None, "confidence_threshold is only used with verify_policy 'threshold'")
+        _check(
+            isinstance(self.live_recalibration, bool),
+            f"live_recalibration must be true or false, got {self.live_recalibration!r}",
+        )
         _check_quantization(self.quantization)
         _check(
             self.quantization is None or self.method != "ngram",

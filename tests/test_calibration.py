@@ -1,5 +1,5 @@
 """Confidence calibration: metrics, Sequential Temperature Scaling on synthetic over-confident data, and the
-engine's live per-position statistics."""
+engine's live per-position statistics and the online correction the scheduled policies read."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from specserve.spec.calibration import (
     LiveCalibration,
+    Recalibration,
     VerificationRecords,
     auc,
     calibration_report,
@@ -79,3 +80,29 @@ def test_calibrate_command_writes_temperatures_the_engine_applies(tiny_model_dir
     temperatures = load_temperatures(drafter_dir)
     fresh = LLM(target, max_model_len=128, speculative_config=spec)
     assert fresh.engine.drafter.temperatures == temperatures
+
+
+def test_recalibration_shrinks_towards_the_raw_confidence_until_rounds_accumulate():
+    recal = Recalibration()
+    raw = torch.tensor([0.9, 0.9])
+    assert torch.equal(recal.correct(raw), raw.double())  # nothing seen yet
+    recal.record(raw, 0)  # draft 1 rejected, draft 2 never tried
+    prior = Recalibration.PRIOR_ROUNDS
+    assert torch.allclose(recal.correct(raw), torch.tensor([prior * 0.9 / (1 + prior), 0.9]).double())
+
+
+def test_recalibration_learns_the_realised_acceptance_by_position_and_confidence():
+    """Two kinds of draft, both over-confident: each gets its own realised conditional acceptance per
+    position, and positions never tried keep the raw confidence."""
+    g = torch.Generator().manual_seed(0)
+    realised = {0.95: [0.8, 0.5, 0.5], 0.55: [0.5, 0.3, 0.2]}
+    recal = Recalibration()
+    for i in range(6000):
+        claimed = (0.95, 0.55)[i % 2]
+        accepted = 0
+        while accepted < 3 and float(torch.rand(1, generator=g)) < realised[claimed][accepted]:
+            accepted += 1
+        recal.record(torch.full((3,), claimed), accepted)
+    for claimed, rates in realised.items():
+        expected = torch.tensor([*rates, claimed], dtype=torch.double)
+        assert torch.allclose(recal.correct(torch.full((4,), claimed)), expected, atol=0.06)

@@ -10,6 +10,7 @@ import torch
 from scipy import stats
 
 from specserve import SamplingParams
+from specserve.spec.calibration import Recalibration
 from specserve.spec.cost_model import CostProfile
 from specserve.spec.drafters.base import DraftProposal
 from specserve.spec.planner import AsyncDSparkPlanner, DSparkPlanner, greedy_admission, ranked_candidates
@@ -143,6 +144,35 @@ def test_a_serial_drafter_drafts_on_only_where_it_pays(confidence, round_s, expe
     profile = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[round_s, round_s])
     planner = DSparkPlanner(profile, 4)
     assert planner.keep_drafting([proposal_with([confidence])], 1) == [expected]
+
+
+def test_a_serial_drafter_drafts_at_all_only_where_it_can_pay():
+    """Before the first draft: a drafter with no record is tried while a certain draft would pay; one
+    whose past first drafts were rarely accepted is not, nor any where drafting costs too much."""
+    cheap = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[0.4, 0.4])
+    costly = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[6.0, 6.0])
+    nothing_yet = [proposal_with([]), proposal_with([])]
+    assert DSparkPlanner(cheap, 4).keep_drafting(nothing_yet, 2) == [True, True]
+    assert DSparkPlanner(costly, 4).keep_drafting(nothing_yet, 2) == [False, False]
+    rarely = Recalibration()
+    for i in range(200):
+        rarely.record(torch.full((4,), 0.9), int(i % 20 == 0))
+    assert DSparkPlanner(cheap, 4, rarely).keep_drafting(nothing_yet, 2) == [False, False]
+
+
+def test_recalibration_cuts_an_overconfident_drafters_verification_and_drafting():
+    """A drafter that claims 0.9 per draft while past rounds accepted its first draft 80% of the time and
+    never its second: read raw, the plan verifies most of 7 drafts; recalibrated, one, and the drafter
+    stops after it."""
+    profile = CostProfile([1, 64], [1.0, 1.0 + 0.3 * 63], draft_requests=[1, 64], draft_s=[0.4, 0.4])
+    recal = Recalibration()
+    for i in range(200):
+        recal.record(torch.full((7,), 0.9), int(i % 5 != 0))
+    raw, recalibrated = DSparkPlanner(profile, 4), DSparkPlanner(profile, 4, recal)
+    assert raw.plan([proposal_with([0.9] * 7)], 1).lengths[0] >= 4
+    assert recalibrated.plan([proposal_with([0.9] * 7)], 1).lengths == [1]
+    assert raw.keep_drafting([proposal_with([0.9])], 1) == [True]
+    assert recalibrated.keep_drafting([proposal_with([0.9])], 1) == [False]
 
 
 def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_path, capsys):

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
+from specserve.spec.cost_model import CostProfile
 from specserve.spec.drafters.ngram import lookup
+from specserve.spec.planner import ScheduledPlanner
 from tests.tiny_models import VOCAB, save_tiny_drafter
 
 
@@ -37,26 +39,35 @@ def reference(target_dir):
     return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+@pytest.fixture(scope="module")
+def cheap_drafting(tmp_path_factory) -> str:
+    """A cost table where a draft step costs a tenth of a target step: the scheduled policies draft."""
+    profile = CostProfile([1, 2048], [1.0, 3.0], draft_requests=[1, 64], draft_s=[0.5, 0.5])
+    return str(profile.save(tmp_path_factory.mktemp("cost") / "cheap-drafting.json"))
+
+
+# name -> (tiny model directory by arch, a cost profile) -> speculative config
 SPEC_CONFIGS = {
-    "ngram": lambda dirs: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    "ngram": lambda dirs, _: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
     # The target itself as its own draft model: every draft is accepted (a strong check of bookkeeping).
-    "draft_model_self": lambda dirs: {
+    "draft_model_self": lambda dirs, _: {
         "method": "draft_model",
         "model": dirs("qwen3"),
         "num_speculative_tokens": 3,
     },
     # A different random model: drafts are mostly rejected.
-    "draft_model_other": lambda dirs: {
+    "draft_model_other": lambda dirs, _: {
         "method": "draft_model",
         "model": dirs("qwen2"),
         "num_speculative_tokens": 5,
     },
     # Draft probabilities as confidences for the load-aware planner; near max_tokens it gets empty proposals.
-    "draft_model_scheduled": lambda dirs: {
+    "draft_model_scheduled": lambda dirs, profile: {
         "method": "draft_model",
         "model": dirs("qwen2"),
         "num_speculative_tokens": 5,
         "verify_policy": "dspark",
+        "cost_profile": profile,
     },
 }
 
@@ -186,11 +197,10 @@ def check_context_bookkeeping(calls) -> None:
 
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
 def test_greedy_speculation_equals_greedy_decoding(
-    name, target_dir, reference, tiny_model_dir, tmp_path, monkeypatch
+    name, target_dir, reference, tiny_model_dir, cheap_drafting
 ):
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))  # where a scheduled policy caches its profile
     prompts, expected = reference
-    spec = SPEC_CONFIGS[name](lambda arch: str(tiny_model_dir(arch)))
+    spec = SPEC_CONFIGS[name](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
     llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -199,6 +209,47 @@ def test_greedy_speculation_equals_greedy_decoding(
     if name == "draft_model_self":
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_draft_model_drafts_nothing_where_drafting_cannot_pay(
+    target_dir, reference, tiny_model_dir, tmp_path
+):
+    """A draft step costs as much as 60 target steps: the scheduled policy decides before the first draft
+    that no request drafts, every step is a plain decode step and the output is greedy decoding's."""
+    prompts, expected = reference
+    profile = CostProfile([1, 2048], [1.0, 1.0], draft_requests=[1, 256], draft_s=[300.0, 300.0])
+    spec = SPEC_CONFIGS["draft_model_scheduled"](
+        lambda arch: str(tiny_model_dir(arch)), str(profile.save(tmp_path / "p.json"))
+    )
+    llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.spec_stats.num_drafts == 0 and llm.engine.drafter.states == {}
+
+
+def test_a_draft_model_catches_up_after_steps_without_drafts(
+    target_dir, reference, tiny_model_dir, cheap_drafting, monkeypatch
+):
+    """Every other step drafts nothing: the next drafting step feeds the draft cache every token it
+    missed, and the output is still greedy decoding's."""
+    decide = ScheduledPlanner.keep_drafting
+    calls = {"first": 0}
+
+    def every_other_step(self, proposals, base_tokens):
+        if all(not p.token_ids for p in proposals):
+            calls["first"] += 1
+            if calls["first"] % 2:
+                return [False] * len(proposals)
+        return decide(self, proposals, base_tokens)
+
+    monkeypatch.setattr(ScheduledPlanner, "keep_drafting", every_other_step)
+    prompts, expected = reference
+    spec = SPEC_CONFIGS["draft_model_scheduled"](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
+    llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and calls["first"] >= 4  # steps with and without drafts
 
 
 def test_stops_and_max_tokens_inside_accepted_drafts(target_dir, reference, tiny_model_dir):
@@ -252,6 +303,7 @@ def test_ngram_lookup():
         ({"method": "draft_model"}, "needs 'model'"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ({"method": "ngram", "lookahead": 2}, "unknown speculative config keys"),
+        ({"method": "ngram", "live_recalibration": "yes"}, "live_recalibration must be true or false"),
         ('{"method": ', "not valid JSON"),
     ],
 )

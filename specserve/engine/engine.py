@@ -23,7 +23,7 @@ from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import SamplingBatch, sample
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
-from specserve.spec.calibration import LiveCalibration, VerificationRecords
+from specserve.spec.calibration import LiveCalibration, Recalibration, VerificationRecords
 from specserve.spec.cost_model import CostProfile, cache_path, engine_key, profile_engine
 from specserve.spec.drafters import build_drafter
 from specserve.spec.drafters.base import DraftProposal
@@ -98,10 +98,13 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.from_value(speculative_config)
         self.spec_stats = SpecStats()
         self.drafter = build_drafter(self.spec_config, self) if self.spec_config else None
+        self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
+        self.recalibration = Recalibration()  # realised acceptance by position and raw confidence
         if self.drafter is not None:
             self.num_draft_tokens = self.spec_config.num_speculative_tokens or self.drafter.default_num_tokens
-            self.planner = build_planner(self.spec_config, self._cost_profile(), self.num_draft_tokens)
-        self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
+            self.planner = build_planner(
+                self.spec_config, self._cost_profile(), self.num_draft_tokens, self.recalibration
+            )
         self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
         self.verification_records: VerificationRecords | None = None  # set to collect STS data
         self._planned: Plan | None = None
@@ -239,6 +242,7 @@ class LLMEngine:
 
     def _record_verification(self, draft: DraftProposal, num_accepted: int) -> None:
         """Live calibration (and STS records when collecting) from one verified proposal."""
+        self.recalibration.record(draft.slot_confidences(), num_accepted)
         if draft.confidences is None:
             return
         self.calibration.record(survival(draft), num_accepted)
@@ -252,7 +256,7 @@ class LLMEngine:
             return None
         if self.spec_config.cost_profile:
             return CostProfile.load(self.spec_config.cost_profile)
-        key = engine_key(self, self.spec_config.model)
+        key = engine_key(self)
         path = cache_path(key)
         if path.is_file():
             return CostProfile.load(path)

@@ -118,13 +118,15 @@ def measure_target(
     return times
 
 
-def engine_key(engine, drafter_model: str | None) -> dict:
+def engine_key(engine) -> dict:
+    """What a profile depends on, the draft length included (a serial drafter's round grows with it)."""
     return {
         "model": str(engine.config.model),
         "dtype": engine.config.dtype,
         "device": "cpu",
         "threads": torch.get_num_threads(),
-        "drafter": drafter_model,
+        "drafter": engine.spec_config.model,
+        "draft_tokens": engine.num_draft_tokens,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "context": DEFAULT_CONTEXT,
     }

@@ -17,6 +17,10 @@ are independent of this one's).
   before anything of this step was drafted); this step verifies the top K candidates by a_rj, no early
   stop. Survival decreases along a request's drafts, so the top K form a prefix of each request.
 
+The scheduled policies read the confidences through the engine's `Recalibration` (per position, the
+realised acceptance of past rounds at the same raw confidence): the table only changes after a
+verification, so it is part of what was known before this step drafted anything.
+
 Serial drafters (a draft model) also ask the scheduled policies, after each draft step, which requests are
 worth another draft (`keep_drafting`): drafting is then paid only where it can pay. That decision reads
 only the drafts already sampled, so the drafted prefix is a stopping time as well.
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SpeculativeConfig
+from specserve.spec.calibration import Recalibration
 from specserve.spec.cost_model import CostProfile
 from specserve.spec.drafters.base import DraftProposal
 
@@ -106,24 +111,35 @@ def greedy_admission(
 
 
 class ScheduledPlanner(VerifyPlanner):
-    """The policies that read the cost profile (`num_tokens`: the draft length of its drafting rounds)."""
+    """The policies that read the cost profile (`num_tokens`: the draft length of its drafting rounds).
+    With a `recalibration`, the confidences they read are corrected by the engine's past outcomes."""
 
-    def __init__(self, profile: CostProfile, num_tokens: int):
+    def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
         self.profile = profile
         self.num_tokens = num_tokens
+        self.recalibration = recalibration
+
+    def predicted_survival(self, confidences: torch.Tensor) -> torch.Tensor:
+        if self.recalibration is not None:
+            confidences = self.recalibration.correct(confidences)
+        return torch.cumprod(confidences.double(), dim=0)
+
+    def survivals(self, proposals: list[DraftProposal]) -> list[torch.Tensor]:
+        return [self.predicted_survival(p.slot_confidences()) for p in proposals]
 
     def keep_drafting(self, proposals, base_tokens):
-        """Draft on for the requests whose every draft the plan verifies so far, best first, as many as
-        raise the expected throughput once one more draft step is paid. A next draft is expected to
-        survive as the last one did: a_(j+1) ~ a_j c_j."""
-        survivals = [survival(p) for p in proposals]
+        """Which requests draft one more token: those whose every draft the plan verifies so far, best
+        first, as many as raise the expected throughput once the next draft step is paid (perhaps none,
+        even before the first draft, when drafting costs more than it can save)."""
+        confidences = [p.slot_confidences() for p in proposals]
+        survivals = [self.predicted_survival(c) for c in confidences]
         steps = max(len(s) for s in survivals)
-        step_s = self.profile.draft_time(len(survivals)) / self.num_tokens
-        now = greedy_admission(survivals, base_tokens, self.profile, steps * step_s)
+        spent = steps * self.profile.draft_time(len(proposals)) / self.num_tokens
+        now = greedy_admission(survivals, base_tokens, self.profile, spent)
         gains = sorted(
             (
-                (_next_survival(s), r)
-                for r, s in enumerate(survivals)
+                (self._next_survival(c, s), r)
+                for r, (c, s) in enumerate(zip(confidences, survivals))
                 if len(s) == steps and now.lengths[r] == steps
             ),
             reverse=True,
@@ -131,25 +147,26 @@ class ScheduledPlanner(VerifyPlanner):
         best, chosen, expected, tokens = now.throughput, 0, now.expected, base_tokens + sum(now.lengths)
         for m, (gain, _) in enumerate(gains, 1):
             expected += gain
-            throughput = expected / (self.profile.step_time(tokens + m) + (steps + 1) * step_s)
+            next_step_s = self.profile.draft_time(m) / self.num_tokens
+            throughput = expected / (self.profile.step_time(tokens + m) + spent + next_step_s)
             if throughput > best:
                 best, chosen = throughput, m
-        keep = [False] * len(survivals)
+        keep = [False] * len(proposals)
         for _, r in gains[:chosen]:
             keep[r] = True
         return keep
 
-
-def _next_survival(s: torch.Tensor) -> float:
-    """a_j c_j: the survival of a next draft as confident as the last one (c_j = a_j / a_(j-1))."""
-    if len(s) == 1:
-        return float(s[0] ** 2)
-    return float(s[-1] * s[-1] / s[-2]) if s[-2] > 0 else 0.0
+    def _next_survival(self, confidences: torch.Tensor, survival: torch.Tensor) -> float:
+        """The survival of a next draft as confident as the last one (the same raw confidence, at its
+        own position); a first draft survives as past first drafts did (certainly, without data)."""
+        if len(confidences):
+            return float(self.predicted_survival(torch.cat([confidences, confidences[-1:]]))[-1])
+        return self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
 
 
 class DSparkPlanner(ScheduledPlanner):
     def plan(self, proposals, base_tokens):
-        survivals = [survival(p) for p in proposals]
+        survivals = self.survivals(proposals)
         lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
         return Plan(lengths, _expected(proposals, lengths, survivals))
 
@@ -157,12 +174,12 @@ class DSparkPlanner(ScheduledPlanner):
 class AsyncDSparkPlanner(ScheduledPlanner):
     LAG = 2  # steps between the confidences that size the batch and the ones it is filled with
 
-    def __init__(self, profile: CostProfile, num_tokens: int):
-        super().__init__(profile, num_tokens)
+    def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
+        super().__init__(profile, num_tokens, recalibration)
         self.history: deque[tuple[list[torch.Tensor], int]] = deque(maxlen=self.LAG)
 
     def plan(self, proposals, base_tokens):
-        survivals = [survival(p) for p in proposals]
+        survivals = self.survivals(proposals)
         if len(self.history) == self.LAG:
             capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
             lengths = [0] * len(proposals)
@@ -180,12 +197,19 @@ def _expected(proposals: list[DraftProposal], lengths: list[int], survivals=None
     return sum(float(s[:n].sum()) for s, n in zip(survivals, lengths) if n)
 
 
-def build_planner(config: SpeculativeConfig, profile: CostProfile | None, num_tokens: int) -> VerifyPlanner:
-    """`num_tokens`: the draft length of each round (what the profile's drafting rounds drafted)."""
+def build_planner(
+    config: SpeculativeConfig,
+    profile: CostProfile | None,
+    num_tokens: int,
+    recalibration: Recalibration | None = None,
+) -> VerifyPlanner:
+    """`num_tokens`: the draft length of each round (what the profile's drafting rounds drafted);
+    `recalibration`: the engine's outcome table, which the scheduled policies read when the config
+    enables `live_recalibration`."""
     if config.verify_policy == "threshold":
         return ThresholdPlanner(config.confidence_threshold)
     if config.verify_policy in ("dspark", "dspark_async"):
         assert profile is not None, "the scheduled policies need a cost profile"
         planner = DSparkPlanner if config.verify_policy == "dspark" else AsyncDSparkPlanner
-        return planner(profile, num_tokens)
+        return planner(profile, num_tokens, recalibration if config.live_recalibration else None)
     return FixedPlanner()

@@ -1,9 +1,10 @@
 """A smaller model with the target's tokenizer drafts k tokens autoregressively, in its own paged KV cache.
 
 Each round is k batched forwards of the draft model over all proposing sequences: the first feeds every
-token the draft cache has not seen yet (the tokens accepted last round and the new bonus token), the
-others one drafted token each. Drafts are sampled with the request's own sampling parameters and their
-q rows kept for rejection sampling.
+token the draft cache has not seen yet (the tokens accepted last round and the new bonus token, or more
+after rounds that drafted nothing), the others one drafted token each. Drafts are sampled with the
+request's own sampling parameters and their q rows kept for rejection sampling. A scheduled verify policy
+decides before each forward which sequences draft on (`keep_drafting`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,13 @@ class DraftModelDrafter(Drafter):
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
         confidences: list[list[float]] = [[] for _ in seqs]  # what keep_drafting reads (not the V-wide rows)
         active = list(range(len(seqs)))  # the sequences still drafting
-        for step in range(num_tokens):
+        for _ in range(num_tokens):
+            if keep_drafting is not None:  # asked before every step, the first included: none may pay
+                so_far = [DraftProposal(d, None, torch.tensor(c)) for d, c in zip(drafted, confidences)]
+                keep = keep_drafting(so_far)
+                active = [i for i in active if keep[i]]
+                if not active:
+                    break
             pieces = []
             for i in active:
                 tokens = seqs[i].all_token_ids + drafted[i]
@@ -110,14 +117,8 @@ class DraftModelDrafter(Drafter):
                 drafted[i].append(token)
                 q_rows[i].append(row)
                 confidences[i].append(confidence)
-            if keep_drafting is not None and step + 1 < num_tokens:
-                so_far = [DraftProposal(d, None, torch.tensor(c)) for d, c in zip(drafted, confidences)]
-                keep = keep_drafting(so_far)
-                active = [i for i in active if keep[i]]
-                if not active:
-                    break
         # The last draft was sampled but never fed: the cache holds tokens up to d_{k-1}.
-        return [DraftProposal(d, torch.stack(rows)) for d, rows in zip(drafted, q_rows)]
+        return [DraftProposal(d, torch.stack(rows) if rows else None) for d, rows in zip(drafted, q_rows)]
 
     def _sync(self, seq: Sequence) -> DraftState:
         """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""
