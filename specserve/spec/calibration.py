@@ -173,7 +173,7 @@ class Recalibration:
     verify policies. Per position j and bin of the raw confidence c_j it counts the rounds that verified
     draft j after accepting drafts 1..j-1, and how many of them accepted d_j; the corrected confidence is
     that realised rate, shrunk towards c_j while the cell has few rounds (PRIOR_ROUNDS pseudo-rounds at
-    c_j). A drafter without a confidence head (a draft model's peak of q_j, n-gram's constant 1) thereby
+    c_j). A drafter without a confidence head (a draft model's peak probability, n-gram's constant 1) thereby
     gets the survival it actually has on this workload, and a calibrated head follows workload shifts.
 
     Lossless: the table only changes after a verification, so a step's decisions read past outcomes and

@@ -16,8 +16,8 @@ class DraftProposal:
     """Draft tokens d1..dk for one request and the distributions they were drawn from.
 
     `probs` is [k, V] (the exact q rows, after the request's sampling transforms) for model drafters, or
-    None for deterministic drafters (a point mass on each drafted token). `confidences` [k], when the
-    drafter has a confidence head, estimates P(d_i accepted | d_1..d_{i-1} accepted).
+    None for deterministic drafters (a point mass on each drafted token). `confidences` [k] estimates
+    P(d_i accepted | d_1..d_{i-1} accepted): a confidence head's, else a model drafter's peak probability.
     """
 
     token_ids: list[int]
@@ -33,21 +33,14 @@ class DraftProposal:
         )
 
     def slot_confidences(self) -> torch.Tensor:
-        """Per-draft survival estimates for verify policies: the confidence head's where there is one,
-        else the peak of each draft distribution, else 1 (a deterministic lookup has no belief to offer).
-        Never the drafted token's own probability: a policy that verifies d_j because q(d_j) is high
-        keeps only the drafts rejection sampling would favour, and the output is no longer the target's
-        (Appendix A); the peak of q_j is known before d_j is sampled."""
+        """Per-draft survival estimates for verify policies: `confidences` (a confidence head's, or a model
+        drafter's peak probability, see `sample_drafts`), else 1 (a deterministic lookup has no belief to
+        offer). Never the drafted token's own probability: a policy that verifies d_j because q(d_j) is
+        high keeps only the drafts rejection sampling would favour, and the output is no longer the
+        target's (Appendix A)."""
         if self.confidences is not None:
             return self.confidences
-        if self.probs is not None:
-            return peak_confidences(self.probs)
         return torch.ones(len(self.token_ids))
-
-
-def peak_confidences(q: torch.Tensor) -> torch.Tensor:
-    """A model drafter's per-draft confidence: the peak of each draft distribution (rows of `q`)."""
-    return q.amax(dim=-1)
 
 
 # The drafts so far per sequence -> which sequences draft one more token (the verify planner decides).
@@ -89,9 +82,11 @@ def sample_drafts(
     drafted: list[list[int]],
     vocab_size: int,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, list[int]]:
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """One draft token per sequence from `logits` [R, V] under each request's own sampling parameters
-    (penalties count the drafts so far as emitted); returns the exact q rows [R, V] and the tokens."""
+    (penalties count the drafts so far as emitted); returns the exact q rows [R, V], the tokens and each
+    row's peak confidence [R]: the top probability of the drafter's own distribution before the request's
+    transforms (after a greedy one q is one-hot and its peak says nothing), known before the draw."""
     batch = SamplingBatch.build(
         [s.params for s in seqs],
         [s.prompt_token_ids for s in seqs],
@@ -101,4 +96,6 @@ def sample_drafts(
         generator=generator,
     )
     q = target_probs(logits, batch)
-    return q, (q / draw_exponential(batch, q.shape[1])).argmax(dim=-1).tolist()
+    raw = logits.float()
+    peaks = torch.exp(raw.amax(dim=-1) - raw.logsumexp(dim=-1))
+    return q, (q / draw_exponential(batch, q.shape[1])).argmax(dim=-1).tolist(), peaks

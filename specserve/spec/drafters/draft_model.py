@@ -22,7 +22,6 @@ from specserve.spec.drafters.base import (
     Drafter,
     DraftProposal,
     KeepDrafting,
-    peak_confidences,
     sample_drafts,
 )
 
@@ -88,7 +87,7 @@ class DraftModelDrafter(Drafter):
         states = [self._sync(seq) for seq in seqs]
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-        confidences: list[list[float]] = [[] for _ in seqs]  # what keep_drafting reads (not the V-wide rows)
+        confidences: list[list[float]] = [[] for _ in seqs]
         active = list(range(len(seqs)))  # the sequences still drafting
         for _ in range(num_tokens):
             if keep_drafting is not None:  # asked before every step, the first included: none may pay
@@ -106,19 +105,22 @@ class DraftModelDrafter(Drafter):
                 states[i].fed = tokens
             rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
             logits = self.runner.forward(pieces, rows.tolist()).logits
-            q, tokens = sample_drafts(
+            q, tokens, peaks = sample_drafts(
                 logits,
                 [seqs[i] for i in active],
                 [drafted[i] for i in active],
                 self.vocab_size,
                 self.generator,
             )
-            for i, row, token, confidence in zip(active, q, tokens, peak_confidences(q).tolist()):
+            for i, row, token, confidence in zip(active, q, tokens, peaks.tolist()):
                 drafted[i].append(token)
                 q_rows[i].append(row)
                 confidences[i].append(confidence)
         # The last draft was sampled but never fed: the cache holds tokens up to d_{k-1}.
-        return [DraftProposal(d, torch.stack(rows) if rows else None) for d, rows in zip(drafted, q_rows)]
+        return [
+            DraftProposal(d, torch.stack(rows) if rows else None, torch.tensor(c))
+            for d, rows, c in zip(drafted, q_rows, confidences)
+        ]
 
     def _sync(self, seq: Sequence) -> DraftState:
         """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""

@@ -107,7 +107,7 @@ class DSparkDrafter(HiddenStateDrafter):
         state = head.initial_state(num_seqs, h) if head is not None else None
         prev = anchors
         drafted: list[list[int]] = [[] for _ in seqs]
-        q_rows, confidence_logits = [], []
+        q_rows, confidence_logits, peak_rows = [], [], []
         for i in range(k):
             logits = base[:, i]
             if head is not None:
@@ -118,14 +118,15 @@ class DSparkDrafter(HiddenStateDrafter):
                 if self.temperatures is not None and i < len(self.temperatures):
                     conf = conf / self.temperatures[i]
                 confidence_logits.append(conf)
-            q, tokens = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
+            q, tokens, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             q_rows.append(q)
+            peak_rows.append(peaks)
             for r, token in enumerate(tokens):
                 drafted[r].append(token)
             prev = torch.tensor(tokens)
         probs = torch.stack(q_rows, dim=1)  # [R, k, V]
-        confidences = torch.sigmoid(torch.stack(confidence_logits, dim=1)) if confidence_logits else None
-        return [
-            DraftProposal(drafted[r], probs[r], None if confidences is None else confidences[r])
-            for r in range(num_seqs)
-        ]
+        if confidence_logits:
+            confidences = torch.sigmoid(torch.stack(confidence_logits, dim=1))
+        else:  # no confidence head (DFlash): the peaks of the drafter's own distributions
+            confidences = torch.stack(peak_rows, dim=1)
+        return [DraftProposal(drafted[r], probs[r], confidences[r]) for r in range(num_seqs)]

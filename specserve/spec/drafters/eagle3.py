@@ -64,7 +64,7 @@ class Eagle3Drafter(HiddenStateDrafter):
         out = self.model(tokens, self.model.project_context(features), batch)
         hidden = out[torch.tensor(lens).cumsum(0) - 1]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]
-        q_rows = []
+        q_rows, peak_rows = [], []
         for step in range(num_tokens):
             if step:
                 step_pos = torch.tensor(anchors) + step - 1
@@ -73,14 +73,15 @@ class Eagle3Drafter(HiddenStateDrafter):
                 )
                 hidden = self.model(torch.tensor([d[-1] for d in drafted]), hidden, batch)
             logits = self.model.compute_logits(self.model.final_hidden(hidden))
-            q, new = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
+            q, new, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             q_rows.append(q)
+            peak_rows.append(peaks)
             for d, token in zip(drafted, new):
                 d.append(token)
         self.roll_back(states, anchors)
-        probs = torch.stack(q_rows, dim=1)
+        probs, confidences = torch.stack(q_rows, dim=1), torch.stack(peak_rows, dim=1)
         return [
-            DraftProposal(d, probs[r]).truncate(self._length(d, seq))
+            DraftProposal(d, probs[r], confidences[r]).truncate(self._length(d, seq))
             for r, (d, seq) in enumerate(zip(drafted, seqs))
         ]
 
