@@ -21,7 +21,7 @@ The scheduled policies read the confidences through the engine's `Recalibration`
 realised acceptance of past rounds at the same raw confidence): the table only changes after a
 verification, so it is part of what was known before this step drafted anything.
 
-Serial drafters (a draft model) also ask the scheduled policies, after each draft step, which requests are
+Serial drafters (a draft model) also ask the scheduled policies, before each draft step, which requests are
 worth another draft (`keep_drafting`): drafting is then paid only where it can pay. That decision reads
 only the drafts already sampled, so the drafted prefix is a stopping time as well.
 """
@@ -62,7 +62,7 @@ class VerifyPlanner:
         raise NotImplementedError
 
     def keep_drafting(self, proposals: list[DraftProposal], base_tokens: int) -> list[bool]:
-        """After a serial drafter's step: which requests draft one more token (all, unless scheduled)."""
+        """Before a serial drafter's step: which requests draft one more token (all, unless scheduled)."""
         return [True] * len(proposals)
 
 
@@ -130,16 +130,23 @@ class ScheduledPlanner(VerifyPlanner):
     def keep_drafting(self, proposals, base_tokens):
         """Which requests draft one more token: those whose every draft the plan verifies so far, best
         first, as many as raise the expected throughput once the next draft step is paid (perhaps none,
-        even before the first draft, when drafting costs more than it can save)."""
-        confidences = [p.slot_confidences() for p in proposals]
-        survivals = [self.predicted_survival(c) for c in confidences]
+        even before the first draft, when drafting costs more than it can save). A next draft is expected
+        to be as confident as the last one (the same raw confidence, at its own position); a first one to
+        survive as past first drafts did (certainly, without recalibration)."""
+        first = self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
+        # Each request's survivals with one more slot at the last raw confidence: [a_1..a_j, a_(j+1)].
+        extended = [
+            self.predicted_survival(torch.cat([c, c[-1:]]))
+            for c in map(DraftProposal.slot_confidences, proposals)
+        ]
+        survivals = [e[:-1] for e in extended]
         steps = max(len(s) for s in survivals)
         spent = steps * self.profile.draft_time(len(proposals)) / self.num_tokens
         now = greedy_admission(survivals, base_tokens, self.profile, spent)
         gains = sorted(
             (
-                (self._next_survival(c, s), r)
-                for r, (c, s) in enumerate(zip(confidences, survivals))
+                (float(e[-1]) if len(e) else first, r)
+                for r, (e, s) in enumerate(zip(extended, survivals))
                 if len(s) == steps and now.lengths[r] == steps
             ),
             reverse=True,
@@ -155,13 +162,6 @@ class ScheduledPlanner(VerifyPlanner):
         for _, r in gains[:chosen]:
             keep[r] = True
         return keep
-
-    def _next_survival(self, confidences: torch.Tensor, survival: torch.Tensor) -> float:
-        """The survival of a next draft as confident as the last one (the same raw confidence, at its
-        own position); a first draft survives as past first drafts did (certainly, without data)."""
-        if len(confidences):
-            return float(self.predicted_survival(torch.cat([confidences, confidences[-1:]]))[-1])
-        return self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
 
 
 class DSparkPlanner(ScheduledPlanner):

@@ -65,7 +65,7 @@ class Drafter:
     def propose(
         self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None
     ) -> list[DraftProposal]:
-        """Up to `num_tokens` drafts per sequence. A serial drafter asks `keep_drafting` after each draft
+        """Up to `num_tokens` drafts per sequence. A serial drafter asks `keep_drafting` before each draft
         step which sequences draft on; drafters that draft a block at once may ignore it."""
         raise NotImplementedError
 
