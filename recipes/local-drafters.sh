@@ -50,30 +50,27 @@ rows = [json.loads(line) for line in open(f"{work}/answers.jsonl") if line.strip
 train = [r for r in rows if r["id"] < total - held_out]
 with open(f"{work}/train.jsonl", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in train)
-with open(f"{work}/train-quarter.jsonl", "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in train[: len(train) // 4])
 with open(f"{work}/held-out.jsonl", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows if r["id"] >= total - held_out)
 EOF
 fi
 
-if has_stage cache; then
-  for data in train train-quarter; do
-    [[ $data == train-quarter && $SMALL_BUDGET != 1 ]] && continue
-    [[ -f "$WORK/cache-$data/manifest.json" ]] ||
-      "$SPECSERVE" data target-cache --model "$TARGET" --data "$WORK/$data.jsonl" --output "$WORK/cache-$data"
-  done
+if has_stage cache && [[ ! -f "$WORK/cache-train/manifest.json" ]]; then
+  "$SPECSERVE" data target-cache --model "$TARGET" --data "$WORK/train.jsonl" --output "$WORK/cache-train"
 fi
 
-train() {  # name method cache steps
-  "$SPECSERVE" train --model "$TARGET" --cache "$WORK/$3" --output "$WORK/$1" --method "$2" \
-    --layers "$LAYERS" --block-size "$BLOCK" --markov-rank "$MARKOV_RANK" --steps "$4" \
-    --batch-size "$BATCH" --num-anchors "$ANCHORS"
+train() {  # name method steps [more arguments]
+  "$SPECSERVE" train --model "$TARGET" --cache "$WORK/cache-train" --output "$WORK/$1" --method "$2" \
+    --layers "$LAYERS" --block-size "$BLOCK" --markov-rank "$MARKOV_RANK" --steps "$3" \
+    --batch-size "$BATCH" --num-anchors "$ANCHORS" "${@:4}"
 }
 if has_stage train; then
-  train dspark dspark cache-train "$STEPS"
-  train dflash dflash cache-train "$STEPS"
-  [[ $SMALL_BUDGET == 1 ]] && train dspark-quarter dspark cache-train-quarter $((STEPS / 4))
+  train dspark dspark "$STEPS"
+  train dflash dflash "$STEPS"
+  if [[ $SMALL_BUDGET == 1 ]]; then
+    samples=$(python3 -c "import json; print(json.load(open('$WORK/cache-train/manifest.json'))['num_samples'])")
+    train dspark-quarter dspark $((STEPS / 4)) --num-samples $((samples / 4))
+  fi
 fi
 
 if has_stage calibrate; then

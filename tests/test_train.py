@@ -148,6 +148,7 @@ def test_learning_rate_schedule():
 
 def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
     from specserve import SpecserveError
+    from specserve.train.run import training_samples
     from specserve.train.target_cache import CacheInfo, TargetCache, bytes_per_token, write_target_cache
 
     _, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=20)
@@ -172,6 +173,13 @@ def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
         cache.check(other)
     with pytest.raises(SpecserveError, match="target 'tiny-qwen3' != 'another'"):
         cache.check(config, "another")
+    # a smaller data budget: the cache's first samples
+    first_two = training_samples(cache, 2)
+    assert len(first_two) == 2 and torch.equal(first_two[1].input_ids, samples[1].input_ids)
+    assert training_samples(cache, None) is cache
+    for bad in (0, 4):
+        with pytest.raises(SpecserveError, match=r"--num-samples must be in 1\.\.3"):
+            training_samples(cache, bad)
 
 
 def _ddp_worker(rank: int, model_dir: str, out_dir: str) -> None:

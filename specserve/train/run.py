@@ -3,14 +3,29 @@ and resume. The drafter reads the target layers the cache was built with."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+from torch.utils.data import Subset
+
+from specserve.config import SpecserveError
 from specserve.models.loader import load_model
 from specserve.models.registry import text_config_of
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
 from specserve.spec.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
 from specserve.train.target_cache import TargetCache
-from specserve.train.trainer import STATE_FILE, TrainConfig, Trainer, append_metrics
+from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics
+
+
+def training_samples(cache: TargetCache, num_samples: int | None) -> Sequence[Sample]:
+    """The whole cache, or its first `num_samples` (a smaller data budget without a second cache)."""
+    if num_samples is None:
+        return cache
+    if not 1 <= num_samples <= len(cache):
+        raise SpecserveError(
+            f"--num-samples must be in 1..{len(cache)} (the cache's samples), got {num_samples}"
+        )
+    return Subset(cache, range(num_samples))
 
 
 def train_drafter(
@@ -25,17 +40,20 @@ def train_drafter(
     mask_token_id: int | None = None,
     checkpoint_every: int = 500,
     ttt_length: int = 7,
+    num_samples: int | None = None,
 ) -> Path:
     """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank` and `mask_token_id`
-    are DSpark's / DFlash's; `ttt_length` is EAGLE-3's)."""
+    are DSpark's / DFlash's; `ttt_length` is EAGLE-3's). `num_samples` trains on the cache's first samples
+    only."""
     from tqdm import tqdm
 
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
     cache = TargetCache(cache_dir)
+    samples = training_samples(cache, num_samples)
     output = Path(output)
     if (output / STATE_FILE).is_file():
-        trainer = Trainer.resume(output, target, config_t, cache)
+        trainer = Trainer.resume(output, target, config_t, samples)
         print(f"resuming {output} at step {trainer.step_index}")
     else:
         layer_ids = cache.manifest["target_layer_ids"]
@@ -56,7 +74,7 @@ def train_drafter(
             )
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)
-        trainer = Trainer(model, cache, train_config)
+        trainer = Trainer(model, samples, train_config)
     cache.check(trainer.model.config, target_model)
     log = output / "metrics.jsonl"
     output.mkdir(parents=True, exist_ok=True)
