@@ -12,7 +12,7 @@ from specserve.models.loader import load_model
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
 from specserve.spec.deepspec.config import new_draft_config
 from specserve.train.anchors import make_blocks, position_weights, sample_anchors
-from specserve.train.forward import dspark_training_forward, target_features
+from specserve.train.forward import dspark_training_forward, target_features, target_logits
 from specserve.train.losses import dspark_loss
 from specserve.train.trainer import Sample, TrainConfig, Trainer, learning_rate
 from tests.tiny_models import VOCAB
@@ -101,6 +101,20 @@ def test_training_steps_lower_the_loss(heads, tiny_model_dir):
         losses.append(terms.total.item())
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert model.embed_tokens.weight.grad is None  # the frozen target tensors are not trained
+
+
+def test_target_logits_score_shared_positions_once_and_pad_past_the_end(tiny_model_dir):
+    target, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=1, seq_len=20)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    positions = torch.tensor([[3, 4, 5], [4, 5, 6], [18, 19, 20], [19, 20, 21]])  # overlapping blocks
+    with torch.no_grad():
+        every_row = model.compute_logits(samples[0].last_hidden)
+    got = target_logits(model, samples[0].last_hidden, positions)
+    assert got.shape == (4, 3, VOCAB)
+    inside = positions < 20
+    torch.testing.assert_close(got[inside], every_row[positions[inside]])
+    assert not got[~inside].any()  # a uniform target past the end
 
 
 def tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=40):
