@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import yaml
@@ -24,7 +25,7 @@ from specserve.bench.serve.report import pareto_frontier, throughput_at, user_sp
 from specserve.bench.serve.spec_metrics import SpecCounters, spec_summary
 from specserve.bench.serve.sweep import load_sweep_config
 from specserve.cli import main
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, SpeculativeConfig
 from tests.server_harness import running_server, wait_until
 from tests.tiny_models import SPECIAL_TOKENS, VOCAB, save_tiny_chat_model
 
@@ -294,3 +295,11 @@ def test_server_going_away_mid_run_keeps_the_partial_results(chat_model_dir, tmp
     (partial,) = read_jsonl(output)
     assert partial["error"] and 3 <= partial["completed"] < 500
     assert partial["output_throughput"] > 0
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("benchmarks/*.yaml")), ids=str)
+def test_shipped_sweep_configs_load(path):
+    config = load_sweep_config(path)
+    assert config.configurations
+    for server in config.configurations:
+        SpeculativeConfig.from_value(server.speculative_config)  # a typo fails here, not an hour into a sweep
