@@ -331,6 +331,7 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         ttt_length=args.ttt_length,
         num_samples=args.num_samples,
+        full_vocabulary=args.full_vocabulary,
     )
     spec = json.dumps({"method": args.method, "model": str(out)})
     print(f"drafter in {out}; use it with --speculative-config '{spec}'")
@@ -452,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--num-anchors", type=int, default=128, help="per sequence: blocks / EAGLE-3 chains")
     train.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3: training-time test steps")
     train.add_argument("--num-samples", type=int, default=None, help="train on the cache's first N samples")
+    train.add_argument(
+        "--full-vocabulary",
+        action="store_true",
+        help="score every token in the losses (default: only those the data supervises, ~20x cheaper)",
+    )
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)
     train.set_defaults(func=_train)

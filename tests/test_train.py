@@ -131,6 +131,10 @@ def tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=40):
     return target, target_config, config, samples
 
 
+def supervised(samples) -> torch.Tensor:
+    return torch.cat([s.input_ids[s.loss_mask.bool()] for s in samples]).unique()
+
+
 def test_save_then_resume_continues_bit_identically(tiny_model_dir, tmp_path):
     target, target_config, config, samples = tiny_training_setup(tiny_model_dir)
     train_config = TrainConfig(total_steps=6, batch_size=2, lr=3e-3, num_anchors=8)
@@ -138,7 +142,7 @@ def test_save_then_resume_continues_bit_identically(tiny_model_dir, tmp_path):
     def fresh():
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=0)
-        return Trainer(model, samples, train_config)
+        return Trainer(model, samples, train_config, vocab=supervised(samples))  # resumed with it too
 
     straight = fresh()
     logs = [straight.step() for _ in range(6)]
@@ -151,6 +155,37 @@ def test_save_then_resume_continues_bit_identically(tiny_model_dir, tmp_path):
         resumed.step()
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "gated", "rnn"])
+def test_a_training_vocabulary_scores_the_same_logits_on_fewer_rows(tiny_model_dir, markov_head_type):
+    target, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=1, seq_len=40)
+    config.markov_head_type = markov_head_type
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    s = samples[0]
+    vocab = supervised(samples)
+    assert len(vocab) < VOCAB
+
+    def forward(vocab):
+        return dspark_training_forward(
+            model,
+            s.input_ids,
+            s.features,
+            s.last_hidden,
+            s.loss_mask,
+            8,
+            torch.Generator().manual_seed(3),
+            vocab,
+        )
+
+    full, scored = forward(None), forward(vocab)
+    assert scored.draft_logits.shape == (8, 4, len(vocab))
+    torch.testing.assert_close(scored.draft_logits, full.draft_logits[..., vocab])
+    torch.testing.assert_close(scored.target_logits, full.target_logits[..., vocab])
+    torch.testing.assert_close(scored.confidence_logits, full.confidence_logits)
+    mask = full.blocks.eval_mask
+    assert mask.any() and torch.equal(vocab[scored.labels[mask]], full.labels[mask])
 
 
 def test_learning_rate_schedule():
@@ -187,6 +222,8 @@ def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
         cache.check(other)
     with pytest.raises(SpecserveError, match="target 'tiny-qwen3' != 'another'"):
         cache.check(config, "another")
+    assert torch.equal(cache.supervised_tokens(), supervised(samples))
+    assert torch.equal(cache.supervised_tokens(2), supervised(samples[:2]))
     # a smaller data budget: the cache's first samples
     first_two = training_samples(cache, 2)
     assert len(first_two) == 2 and torch.equal(first_two[1].input_ids, samples[1].input_ids)

@@ -70,10 +70,12 @@ def eagle3_training_forward(
     ttt_length: int = 7,
     max_rows: int | None = None,
     generator: torch.Generator | None = None,
+    vocab: torch.Tensor | None = None,
 ) -> TTTOutput:
     """input_ids, loss_mask [S]; features [S, n_f H] (target layer outputs); target_last_hidden [S, H]
-    (the target's final-normed hidden states). Unrolls the rows with a supervised step, or `max_rows` of
-    them drawn uniformly; step 0 runs over every row, the context all chains read."""
+        (the target's final-normed hidden states). Unrolls the rows with a supervised step, or `max_rows` of
+        them drawn uniformly; step 0 runs over every row, the context all chains read. `vocab`: the token ids
+    the logits score (None: all)."""
     seq_len = len(input_ids)
     t = torch.arange(seq_len, device=input_ids.device)
     mask_0 = loss_mask.bool().clone()
@@ -90,14 +92,14 @@ def eagle3_training_forward(
         hidden = model(shift_left(input_ids, step + 1)[queries], hidden, batch)
         if step == 0:
             hidden, queries = hidden[rows], rows
-        logits.append(model.compute_logits(model.final_hidden(hidden)))
+        logits.append(model.compute_logits(model.final_hidden(hidden), vocab))
     aligned = rows[:, None] + torch.arange(1, ttt_length + 1, device=t.device)
     # sum over R sampled rows * (candidates / R) estimates the sum over all candidates (exact when R = all)
     normaliser = seq_len * max(len(rows), 1) / max(len(candidates), 1)
     return TTTOutput(
         rows,
         torch.stack(logits, dim=1),
-        target_logits(model, target_last_hidden, aligned),
+        target_logits(model, target_last_hidden, aligned, vocab),
         mask[rows],
         normaliser,
     )

@@ -41,10 +41,11 @@ def train_drafter(
     checkpoint_every: int = 500,
     ttt_length: int = 7,
     num_samples: int | None = None,
+    full_vocabulary: bool = False,
 ) -> Path:
     """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank` and `mask_token_id`
     are DSpark's / DFlash's; `ttt_length` is EAGLE-3's). `num_samples` trains on the cache's first samples
-    only."""
+    only; the losses score the tokens the data supervises unless `full_vocabulary`."""
     from tqdm import tqdm
 
     target, hf_config, tokenizer = load_model(target_model)
@@ -74,7 +75,12 @@ def train_drafter(
             )
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)
-        trainer = Trainer(model, samples, train_config)
+        vocab = None if full_vocabulary else cache.supervised_tokens(num_samples)
+        if vocab is not None:
+            print(
+                f"training vocabulary: the {len(vocab)} tokens the data supervises (of {config_t.vocab_size})"
+            )
+        trainer = Trainer(model, samples, train_config, vocab)
     cache.check(trainer.model.config, target_model)
     log = output / "metrics.jsonl"
     output.mkdir(parents=True, exist_ok=True)

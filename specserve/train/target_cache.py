@@ -142,6 +142,16 @@ class TargetCache:
             last_hidden=bf16(last, self.hidden_size),
         )
 
+    def supervised_tokens(self, num_samples: int | None = None) -> torch.Tensor:
+        """The sorted ids of every token a loss mask covers in the first `num_samples` samples (all: None),
+        read without the features."""
+        seen = []
+        for _, shard_id, n, ids, _, loss, _, _ in self.records[:num_samples]:
+            buf = self.shards[shard_id]
+            tokens = np.frombuffer(buf, dtype=np.int32, count=n, offset=ids)
+            seen.append(tokens[np.frombuffer(buf, dtype=np.uint8, count=n, offset=loss).astype(bool)])
+        return torch.from_numpy(np.unique(np.concatenate(seen)).astype(np.int64))
+
     def check(self, drafter_config, target_model: str | None = None) -> None:
         """Refuse a cache made for other target layers, another hidden size or another target."""
         m = self.manifest

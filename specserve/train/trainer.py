@@ -4,7 +4,8 @@ checkpoints in DeepSpec's format plus a training state to resume from.
 
 Determinism: sample order comes from (seed, epoch) and each sample's anchors from (seed, step, index), so
 resuming from a checkpoint continues exactly as an uninterrupted run would (tested bit for bit on CPU).
-The embedding and LM head are the target's and stay frozen.
+The embedding and LM head are the target's and stay frozen. With a training vocabulary (`vocab`), the
+losses score only those tokens' rows of the LM head (train/forward.py says why).
 
 Several processes (torch.distributed, e.g. gloo on CPU or nccl on GPUs): each rank takes every
 world_size-th sample of the global batch, scales its losses by 1 / global batch, and the gradients are
@@ -69,7 +70,13 @@ def trainable_parameters(model: DraftModel) -> list[torch.nn.Parameter]:
 
 
 class Trainer:
-    def __init__(self, model: DraftModel, samples: Sequence[Sample], config: TrainConfig):
+    def __init__(
+        self,
+        model: DraftModel,
+        samples: Sequence[Sample],
+        config: TrainConfig,
+        vocab: torch.Tensor | None = None,
+    ):
         if type(model.lm_head) is not torch.nn.Linear:
             # The target's inference layer (oneDNN-packed) has no autograd: gradients would silently stop
             # there. Train through a plain frozen copy of the same weight.
@@ -79,6 +86,7 @@ class Trainer:
         self.model = model
         self.samples = samples
         self.config = config
+        self.vocab = vocab
         self.params = trainable_parameters(model)
         for p in model.parameters():
             p.requires_grad_(False)
@@ -155,16 +163,24 @@ class Trainer:
                 model.config.ttt_length,
                 self.config.num_anchors,
                 generator,
+                self.vocab,
             )
             return eagle3_loss(out.draft_logits, out.target_logits, out.mask, out.normaliser)
         out = dspark_training_forward(
-            model, s.input_ids, s.features, s.last_hidden, s.loss_mask, self.config.num_anchors, generator
+            model,
+            s.input_ids,
+            s.features,
+            s.last_hidden,
+            s.loss_mask,
+            self.config.num_anchors,
+            generator,
+            self.vocab,
         )
         has_heads = model.markov_head is not None or model.confidence_head is not None
         return dspark_loss(
             out.draft_logits,
             out.target_logits,
-            out.blocks.labels,
+            out.labels,
             out.blocks.eval_mask,
             position_weights(model.config.block_size, self.config.loss_decay_gamma),
             out.confidence_logits,
@@ -189,6 +205,7 @@ class Trainer:
                 "step": self.step_index,
                 "optimizer": self.optimizer.state_dict(),
                 "config": asdict(self.config),
+                "vocab": self.vocab,
             },
             directory / STATE_FILE,
         )
@@ -199,7 +216,7 @@ class Trainer:
         directory = Path(directory)
         state = torch.load(directory / STATE_FILE, weights_only=True)
         model = load_draft_checkpoint(str(directory), target, target_config)
-        trainer = cls(model, samples, TrainConfig(**state["config"]))
+        trainer = cls(model, samples, TrainConfig(**state["config"]), state.get("vocab"))
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.step_index = state["step"]
         return trainer

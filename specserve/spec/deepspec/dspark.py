@@ -145,9 +145,10 @@ class TokenIO:
             x = x * torch.tensor(self.embed_scale, dtype=weight.dtype).item()
         return x
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (fp32) of final-normed hidden states; Gemma: softcapped (before any Markov bias)."""
-        logits = self.lm_head(h).float()
+    def compute_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (fp32) of final-normed hidden states, over the whole vocabulary or only `rows`; Gemma:
+        softcapped (before any Markov bias)."""
+        logits = (self.lm_head(h) if rows is None else F.linear(h, self.lm_head.weight[rows])).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

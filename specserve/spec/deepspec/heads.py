@@ -4,15 +4,16 @@ and the confidence head that predicts, per slot, the chance that the drafted tok
 Parameter names and shapes are DeepSpec's (`markov_head.markov_w1.weight` [V, r], `markov_w2.weight` [V, r],
 `gate_proj` / `joint_proj`, `confidence_head.proj`), so checkpoints load 1:1.
 
-Every head is driven one slot at a time by `step(prev, h, state)`: `prev` is the token chosen at the
-previous slot (the anchor for slot 0), `h` the backbone's hidden state of this slot. The engine samples
-left to right with it; training unrolls the same `step` over teacher-forced labels (`block_bias`), so the
-two can never disagree.
+Every head is driven one slot at a time by `transition(prev, h, state)`: `prev` is the token chosen at the
+previous slot (the anchor for slot 0), `h` the backbone's hidden state of this slot; the bias is markov_w2
+of its rank-r output. The engine samples left to right with `step`; training unrolls the same `transition`
+over teacher-forced labels (`block_bias`), so the two can never disagree.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -34,20 +35,31 @@ class MarkovHead(nn.Module):
     def initial_state(self, batch: int, like: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def transition(
+        self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the bias's rank-r input [R, r], next state) for one slot of R blocks."""
+        return self.prev_features(prev), state
+
     def step(
         self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bias [R, V], next state) for one slot of R blocks."""
-        return self.markov_w2(self.prev_features(prev)), state
+        z, state = self.transition(prev, h, state)
+        return self.markov_w2(z), state
 
-    def block_bias(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced bias for whole blocks: prev [M, B], h [M, B, H] -> [M, B, V]."""
+    def block_bias(
+        self, prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Teacher-forced bias for whole blocks: prev [M, B], h [M, B, H] -> [M, B, V], or only the vocabulary
+        `rows` [V'] -> [M, B, V']."""
         state = self.initial_state(prev.shape[0], h)
         out = []
         for i in range(prev.shape[1]):
-            bias, state = self.step(prev[:, i], h[:, i], state)
-            out.append(bias)
-        return torch.stack(out, dim=1)
+            z, state = self.transition(prev[:, i], h[:, i], state)
+            out.append(z)
+        weight = self.markov_w2.weight if rows is None else self.markov_w2.weight[rows]
+        return F.linear(torch.stack(out, dim=1), weight)
 
 
 class GatedMarkovHead(MarkovHead):
@@ -57,10 +69,10 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, hidden_size, rank)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def step(self, prev, h, state):
+    def transition(self, prev, h, state):
         w1 = self.prev_features(prev)
         gate = torch.sigmoid(self.gate_proj(torch.cat([h, w1.to(h.dtype)], dim=-1)))
-        return self.markov_w2(gate * w1), state
+        return gate * w1, state
 
 
 class RNNMarkovHead(MarkovHead):
@@ -77,13 +89,13 @@ class RNNMarkovHead(MarkovHead):
     def initial_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(batch, self.rank)
 
-    def step(self, prev, h, state):
+    def transition(self, prev, h, state):
         w1 = self.prev_features(prev)
         joint = self.joint_proj(torch.cat([state, w1.to(h.dtype), h], dim=-1))
         gate, candidate, output = joint.chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(output)), state
+        return torch.tanh(output), state
 
 
 def build_markov_head(kind: str, vocab_size: int, hidden_size: int, rank: int) -> MarkovHead:
