@@ -22,8 +22,10 @@ HELD_OUT=${HELD_OUT:-32}
 MAX_TOKENS=${MAX_TOKENS:-256}
 IN_FLIGHT=${IN_FLIGHT:-32}         # requests generated together
 # Optimizer steps of BATCH sequences (the quarter-data drafter: STEPS / 4). A DSpark step of 4 x 32 blocks
-# of 7 takes ~14 s here (1.5B target, 1 layer, rank 64), so 300 steps (~2.7 epochs of 448 answers) ~70 min.
+# of 7 takes ~3.7 s here (1.5B target, 1 layer, rank 64, the ~6k-token training vocabulary), so 300 steps
+# (~2.7 epochs of 448 answers) take ~19 min.
 STEPS=${STEPS:-300}
+LR=${LR:-2e-3}                     # above DeepSpec's 6e-4: a few hundred steps, not tens of thousands
 BATCH=${BATCH:-4}
 ANCHORS=${ANCHORS:-32}             # blocks per sequence and step
 LAYERS=${LAYERS:-1}
@@ -66,7 +68,7 @@ fi
 train() {  # name method steps [more arguments]
   "$SPECSERVE" train --model "$TARGET" --cache "$WORK/cache-train" --output "$WORK/$1" --method "$2" \
     --layers "$LAYERS" --block-size "$BLOCK" --markov-rank "$MARKOV_RANK" --steps "$3" \
-    --batch-size "$BATCH" --num-anchors "$ANCHORS" "${@:4}"
+    --batch-size "$BATCH" --num-anchors "$ANCHORS" --lr "$LR" "${@:4}"
 }
 if has_stage train; then
   train dspark dspark "$STEPS"
