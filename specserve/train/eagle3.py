@@ -73,8 +73,8 @@ def eagle3_training_forward(
     vocab: torch.Tensor | None = None,
 ) -> TTTOutput:
     """input_ids, loss_mask [S]; features [S, n_f H] (target layer outputs); target_last_hidden [S, H]
-        (the target's final-normed hidden states). Unrolls the rows with a supervised step, or `max_rows` of
-        them drawn uniformly; step 0 runs over every row, the context all chains read. `vocab`: the token ids
+    (the target's final-normed hidden states). Unrolls the rows with a supervised step, or `max_rows` of
+    them drawn uniformly; step 0 runs over every row, the context all chains read. `vocab`: the token ids
     the logits score (None: all)."""
     seq_len = len(input_ids)
     t = torch.arange(seq_len, device=input_ids.device)

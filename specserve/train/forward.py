@@ -81,7 +81,7 @@ def target_logits(
     LM head (and Gemma's softcap), as the drafter scores them at inference. Positions past the end get zero
     logits: a uniform target (DeepSpec's padding), which only masked rows ever see."""
     seq_len = len(target_last_hidden)
-    # overlapping blocks (and EAGLE-3's chains) share positions: the 150k-wide head scores each once
+    # overlapping blocks (and EAGLE-3's chains) share positions: the LM head scores each once
     unique, inverse = positions.clamp(max=seq_len - 1).unique(return_inverse=True)
     logits = model.compute_logits(target_last_hidden[unique].to(model.fc.weight.dtype), vocab)[inverse]
     return logits.masked_fill((positions >= seq_len)[..., None], 0.0)
