@@ -123,21 +123,27 @@ class TargetCache:
     def __len__(self) -> int:
         return len(self.records)
 
+    def _tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32 [S], loss_mask uint8 [S]) of sample i, views into its shard."""
+        _, shard_id, n, ids, _, loss, _, _ = self.records[i]
+        buf = self.shards[shard_id]
+        return (
+            np.frombuffer(buf, dtype=np.int32, count=n, offset=ids),
+            np.frombuffer(buf, dtype=np.uint8, count=n, offset=loss),
+        )
+
     def __getitem__(self, i: int) -> Sample:
-        _, shard_id, n, ids, _, loss, feats, last = self.records[i]
+        _, shard_id, n, _, _, _, feats, last = self.records[i]
         buf = self.shards[shard_id]
 
         def bf16(offset: int, cols: int) -> torch.Tensor:
             raw = np.frombuffer(buf, dtype=np.int16, count=n * cols, offset=offset).copy()
             return torch.from_numpy(raw).view(torch.bfloat16).float().view(n, cols)
 
+        ids, loss = self._tokens(i)
         return Sample(
-            input_ids=torch.from_numpy(
-                np.frombuffer(buf, dtype=np.int32, count=n, offset=ids).astype(np.int64)
-            ),
-            loss_mask=torch.from_numpy(
-                np.frombuffer(buf, dtype=np.uint8, count=n, offset=loss).astype(np.int64)
-            ),
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
+            loss_mask=torch.from_numpy(loss.astype(np.int64)),
             features=bf16(feats, self.width),
             last_hidden=bf16(last, self.hidden_size),
         )
@@ -145,11 +151,7 @@ class TargetCache:
     def supervised_tokens(self, num_samples: int | None = None) -> torch.Tensor:
         """The sorted ids of every token a loss mask covers in the first `num_samples` samples (all: None),
         read without the features."""
-        seen = []
-        for _, shard_id, n, ids, _, loss, _, _ in self.records[:num_samples]:
-            buf = self.shards[shard_id]
-            tokens = np.frombuffer(buf, dtype=np.int32, count=n, offset=ids)
-            seen.append(tokens[np.frombuffer(buf, dtype=np.uint8, count=n, offset=loss).astype(bool)])
+        seen = [ids[loss.astype(bool)] for ids, loss in map(self._tokens, range(len(self))[:num_samples])]
         return torch.from_numpy(np.unique(np.concatenate(seen)).astype(np.int64))
 
     def check(self, drafter_config, target_model: str | None = None) -> None:
