@@ -332,6 +332,7 @@ def _train(args: argparse.Namespace) -> int:
         ttt_length=args.ttt_length,
         num_samples=args.num_samples,
         full_vocabulary=args.full_vocabulary,
+        init=args.init,
     )
     spec = json.dumps({"method": args.method, "model": str(out)})
     print(f"drafter in {out}; use it with --speculative-config '{spec}'")
@@ -457,6 +458,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--full-vocabulary",
         action="store_true",
         help="score every token in the losses (default: only those the data supervises, ~20x cheaper)",
+    )
+    train.add_argument(
+        "--init",
+        choices=("random", "target"),
+        default="random",
+        help="DSpark / DFlash draft layers: N(0, 0.02), or copies of the target layers after the deepest "
+        "captured one (the context projection then passes that layer's input through)",
     )
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)

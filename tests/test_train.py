@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.models.loader import load_model
-from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
 from specserve.spec.deepspec.config import new_draft_config
 from specserve.train.anchors import make_blocks, position_weights, sample_anchors
 from specserve.train.forward import dspark_training_forward, target_features, target_logits
@@ -101,6 +101,26 @@ def test_training_steps_lower_the_loss(heads, tiny_model_dir):
         losses.append(terms.total.item())
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert model.embed_tokens.weight.grad is None  # the frozen target tensors are not trained
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+def test_init_from_target_layers_reads_the_context_as_the_next_target_layer(arch, tiny_model_dir):
+    target, target_config, _ = load_model(str(tiny_model_dir(arch)))
+    config = new_draft_config(target_config, target_layer_ids=[0, 1], mask_token_id=VOCAB - 1, markov_rank=8)
+    model = build_draft_model(config)
+    init_draft_weights(model, target, seed=0)
+    init_from_target_layers(model, target)
+    ids = torch.randint(0, VOCAB - 1, (12,), generator=torch.Generator().manual_seed(0))
+    features, _ = target_features(target, ids.tolist(), config.target_layer_ids)
+    next_layer = target.model.layers[2]
+    with torch.no_grad():
+        h1 = features[:, target_config.hidden_size :]  # layer 1's output, the last captured
+        torch.testing.assert_close(model.project_context(features), next_layer.input_layernorm(h1))
+        torch.testing.assert_close(model.norm(h1), target.model.norm(h1))
+    if arch == "qwen3":  # same layer layout: every tensor is the target's
+        twins = dict(next_layer.named_parameters())
+        for name, param in model.layers[0].named_parameters():
+            torch.testing.assert_close(param, twins[name], msg=name)
 
 
 def test_target_logits_score_shared_positions_once_and_pad_past_the_end(tiny_model_dir):

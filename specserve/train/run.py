@@ -11,7 +11,7 @@ from torch.utils.data import Subset
 from specserve.config import SpecserveError
 from specserve.models.loader import load_model
 from specserve.models.registry import text_config_of
-from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
 from specserve.spec.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
 from specserve.train.target_cache import TargetCache
 from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics
@@ -42,10 +42,12 @@ def train_drafter(
     ttt_length: int = 7,
     num_samples: int | None = None,
     full_vocabulary: bool = False,
+    init: str = "random",
 ) -> Path:
     """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank` and `mask_token_id`
     are DSpark's / DFlash's; `ttt_length` is EAGLE-3's). `num_samples` trains on the cache's first samples
-    only; the losses score the tokens the data supervises unless `full_vocabulary`."""
+    only; the losses score the tokens the data supervises unless `full_vocabulary`. `init` "target" starts
+    a DSpark / DFlash drafter from the target's layers (`init_from_target_layers`)."""
     from tqdm import tqdm
 
     target, hf_config, tokenizer = load_model(target_model)
@@ -75,6 +77,8 @@ def train_drafter(
             )
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)
+        if init == "target":
+            init_from_target_layers(model, target)
         vocab = None if full_vocabulary else cache.supervised_tokens(num_samples)
         if vocab is not None:
             print(

@@ -63,6 +63,34 @@ def init_draft_weights(model: DraftModel, target: CausalLM, seed: int = 0, std: 
             buffer.fill_(1.0)
 
 
+@torch.no_grad()
+def init_from_target_layers(model: DSparkDraftModel, target: CausalLM) -> None:
+    """Start the draft layers as copies of the target layers after the deepest captured one, and the context
+    projection as that layer's input: `fc` selects the deepest captured features and `hidden_norm` is the next
+    layer's input norm, so the first draft layer's context K/V are the target's own from step 0 (random init
+    needs ~100 steps before the drafter reads its context at all). Tensors without a same-named,
+    same-shaped target twin (Qwen2 targets: q/k norms, biases) keep `init_draft_weights`' values."""
+    if not isinstance(model, DSparkDraftModel):
+        raise SpecserveError("initialising from target layers is for DSpark / DFlash drafters")
+    target_layers, hidden = target.model.layers, model.config.hidden_size
+    deepest = model.config.target_layer_ids[-1]  # (the ids increase: its features are fc's last block)
+    model.fc.weight.zero_()
+    model.fc.weight[:, -hidden:] = torch.eye(hidden)
+    first = min(deepest + 1, len(target_layers) - 1)
+    model.hidden_norm.weight.copy_(target_layers[first].input_layernorm.weight)
+    model.norm.weight.copy_(target.model.norm.weight)
+    for i, layer in enumerate(model.layers):
+        twins = dict(target_layers[min(first + i, len(target_layers) - 1)].named_modules())
+        for name, module in layer.named_modules():
+            mine, theirs = getattr(module, "weight", None), getattr(twins.get(name), "weight", None)
+            if (
+                isinstance(mine, torch.Tensor)
+                and isinstance(theirs, torch.Tensor)
+                and mine.shape == theirs.shape
+            ):
+                mine.copy_(theirs)
+
+
 def load_draft_checkpoint(
     model_id: str, target: CausalLM, target_config, dtype: torch.dtype = torch.float32, revision=None
 ) -> DraftModel:
