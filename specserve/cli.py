@@ -333,6 +333,7 @@ def _train(args: argparse.Namespace) -> int:
         num_samples=args.num_samples,
         full_vocabulary=args.full_vocabulary,
         init=args.init,
+        intermediate_size=args.intermediate_size,
     )
     spec = json.dumps({"method": args.method, "model": str(out)})
     print(f"drafter in {out}; use it with --speculative-config '{spec}'")
@@ -447,6 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layers", type=int, default=1)
     train.add_argument("--block-size", type=int, default=7)
     train.add_argument("--markov-rank", type=int, default=256)
+    train.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=None,
+        help="DSpark / DFlash: the draft layers' MLP width (default: the target's)",
+    )
     train.add_argument("--mask-token-id", type=int, default=None)
     train.add_argument("--steps", type=int, required=True)
     train.add_argument("--batch-size", type=int, default=4)

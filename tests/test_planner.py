@@ -160,6 +160,24 @@ def test_a_serial_drafter_drafts_at_all_only_where_it_can_pay():
     assert DSparkPlanner(cheap, 4, rarely).keep_drafting(nothing_yet, 2) == [False, False]
 
 
+def test_a_round_drafter_drafts_only_while_recent_rounds_pay():
+    """A round costs 0.4 target steps and verification is free: rounds whose drafts survive 90% of the
+    time pay, 10% do not. Without a round yet the planner drafts; after poor rounds it skips, yet drafts
+    again every PROBE_EVERY plain steps; good rounds bring drafting back."""
+    profile = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[0.4, 0.4])
+    planner = DSparkPlanner(profile, 4)
+    assert planner.draft_round(2, 2)
+    planner.plan([proposal_with([0.1] * 4)] * 2, 2)
+    decisions = [planner.draft_round(2, 2) for _ in range(2 * planner.PROBE_EVERY + 2)]
+    probe = planner.PROBE_EVERY
+    assert decisions == ([False] * probe + [True]) * 2
+    for _ in range(3):
+        planner.plan([proposal_with([0.9] * 4)] * 2, 2)
+    assert planner.draft_round(2, 2)
+    planner.plan([proposal_with([0.9, 0.9])], 2)  # a capped proposal says nothing about full rounds
+    assert planner.recent_survival.shape == (4,)
+
+
 def test_recalibration_cuts_an_overconfident_drafters_verification_and_drafting():
     """A drafter that claims 0.9 per draft while past rounds accepted its first draft 80% of the time and
     never its second: read raw, the plan verifies most of 7 drafts; recalibrated, one, and the drafter

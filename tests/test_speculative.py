@@ -252,6 +252,30 @@ def test_a_draft_model_catches_up_after_steps_without_drafts(
     assert stats.num_drafts > 0 and calls["first"] >= 4  # steps with and without drafts
 
 
+@pytest.mark.parametrize("name", ["dspark_scheduled", "eagle3"])
+def test_round_drafters_catch_up_after_steps_without_a_round(
+    name, target_dir, reference, drafter_dirs, cheap_drafting, monkeypatch
+):
+    """Every other step drafts no round: the drafter still collects the target's features and takes them
+    all into its context at the next round, and the output is still greedy decoding's."""
+    calls = {"rounds": 0}
+
+    def every_other_step(self, num_requests, base_tokens):
+        calls["rounds"] += 1
+        return calls["rounds"] % 2 == 0
+
+    monkeypatch.setattr(ScheduledPlanner, "draft_round", every_other_step)
+    prompts, expected = reference
+    spec = {**DSPARK_CONFIGS[name](drafter_dirs), "verify_policy": "dspark", "cost_profile": cheap_drafting}
+    llm = LLM(target_dir, max_model_len=256, max_num_seqs=4, speculative_config=spec)
+    observed = record_observe(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.spec_stats.num_drafts > 0 and calls["rounds"] >= 20
+    assert any(not any(r.budgets) for r in llm.engine.step_log)  # plain steps are logged too
+    check_context_bookkeeping(observed)
+
+
 def test_stops_and_max_tokens_inside_accepted_drafts(target_dir, reference, tiny_model_dir):
     prompts, expected = reference
     spec = {"method": "draft_model", "model": str(tiny_model_dir("qwen3")), "num_speculative_tokens": 4}

@@ -424,9 +424,14 @@ def test_data_cache_train_pipeline_gives_a_drafter_the_engine_serves(tmp_path):
         "3",
         "--block-size",
         "3",
+        "--intermediate-size",
+        "32",
+        "--init",
+        "target",
     ]
     assert main([*argv, "--mask-token-id", "3", "--num-anchors", "8", "--markov-rank", "8"]) == 0
     assert len((drafter / "metrics.jsonl").read_text().splitlines()) == 3
+    assert json.loads((drafter / "config.json").read_text())["intermediate_size"] == 32  # a narrower MLP
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLM(model, max_model_len=128).generate(["abc"], params)[0].outputs[0].token_ids
     llm = LLM(model, max_model_len=128, speculative_config={"method": "dspark", "model": str(drafter)})

@@ -280,6 +280,11 @@ class LLMEngine:
             return
         start = time.perf_counter()
         base_tokens = len(decoding) + self._pending_prefill_tokens()
+        if not self.drafter.drafts_serially and not self.planner.draft_round(len(decoding), base_tokens):
+            # A plain step. A drafter conditioned on the target's features keeps collecting them
+            # (`observe`) and takes them all into its context at its next round.
+            self._planned = Plan([0] * len(decoding), 0.0)
+            return
         keep_drafting = functools.partial(self.planner.keep_drafting, base_tokens=base_tokens)
         proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)
         self.spec_stats.drafting_s += time.perf_counter() - start

@@ -23,7 +23,9 @@ verification, so it is part of what was known before this step drafted anything.
 
 Serial drafters (a draft model) also ask the scheduled policies, before each draft step, which requests are
 worth another draft (`keep_drafting`): drafting is then paid only where it can pay. That decision reads
-only the drafts already sampled, so the drafted prefix is a stopping time as well.
+only the drafts already sampled, so the drafted prefix is a stopping time as well. Drafters that draft a
+whole round at once (DSpark's block pass, EAGLE-3, n-gram) ask once, before it, whether the step drafts at
+all (`draft_round`), from the survival recent rounds predicted: past information only.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class VerifyPlanner:
     def keep_drafting(self, proposals: list[DraftProposal], base_tokens: int) -> list[bool]:
         """Before a serial drafter's step: which requests draft one more token (all, unless scheduled)."""
         return [True] * len(proposals)
+
+    def draft_round(self, num_requests: int, base_tokens: int) -> bool:
+        """Before a drafter that drafts a whole round at once: whether this step drafts (yes, unless
+        scheduled)."""
+        return True
 
 
 class FixedPlanner(VerifyPlanner):
@@ -114,10 +121,39 @@ class ScheduledPlanner(VerifyPlanner):
     """The policies that read the cost profile (`num_tokens`: the draft length of its drafting rounds).
     With a `recalibration`, the confidences they read are corrected by the engine's past outcomes."""
 
+    PROBE_EVERY = 16  # plain steps before a round is drafted anyway, to see whether drafting pays again
+    RECENT_WEIGHT = 0.5  # of the newest round in the running mean of predicted survival
+
     def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
         self.profile = profile
         self.num_tokens = num_tokens
         self.recalibration = recalibration
+        self.recent_survival: torch.Tensor | None = None  # [num_tokens], mean over recent rounds' requests
+        self.plain_steps = 0  # steps since the last drafted round
+
+    def remember(self, survivals: list[torch.Tensor]) -> None:
+        """A round's predicted survivals (full-length proposals only) enter the running mean."""
+        full = [s for s in survivals if len(s) == self.num_tokens]
+        if not full:
+            return
+        mean = torch.stack(full).mean(0)
+        if self.recent_survival is not None:
+            mean = self.RECENT_WEIGHT * mean + (1 - self.RECENT_WEIGHT) * self.recent_survival
+        self.recent_survival = mean
+
+    def draft_round(self, num_requests, base_tokens):
+        """Whether a round pays this step: every request expected to survive as recent rounds predicted
+        (confidences known before this step drafts anything), planned by Algorithm 1 with the round's
+        drafting time paid, against a plain step. Without a recent round, or after PROBE_EVERY plain
+        steps (the estimate would never change otherwise), it drafts."""
+        if self.recent_survival is not None and self.plain_steps < self.PROBE_EVERY:
+            expected = [self.recent_survival] * num_requests
+            drafted = greedy_admission(expected, base_tokens, self.profile).throughput
+            if drafted <= num_requests / self.profile.step_time(base_tokens):
+                self.plain_steps += 1
+                return False
+        self.plain_steps = 0
+        return True
 
     def predicted_survival(self, confidences: torch.Tensor) -> torch.Tensor:
         if self.recalibration is not None:
@@ -167,6 +203,7 @@ class ScheduledPlanner(VerifyPlanner):
 class DSparkPlanner(ScheduledPlanner):
     def plan(self, proposals, base_tokens):
         survivals = self.survivals(proposals)
+        self.remember(survivals)
         lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
         return Plan(lengths, _expected(proposals, lengths, survivals))
 
@@ -180,6 +217,7 @@ class AsyncDSparkPlanner(ScheduledPlanner):
 
     def plan(self, proposals, base_tokens):
         survivals = self.survivals(proposals)
+        self.remember(survivals)
         if len(self.history) == self.LAG:
             capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
             lengths = [0] * len(proposals)

@@ -43,11 +43,12 @@ def train_drafter(
     num_samples: int | None = None,
     full_vocabulary: bool = False,
     init: str = "random",
+    intermediate_size: int | None = None,
 ) -> Path:
-    """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank` and `mask_token_id`
-    are DSpark's / DFlash's; `ttt_length` is EAGLE-3's). `num_samples` trains on the cache's first samples
-    only; the losses score the tokens the data supervises unless `full_vocabulary`. `init` "target" starts
-    a DSpark / DFlash drafter from the target's layers (`init_from_target_layers`)."""
+    """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank`, `mask_token_id` and
+    `intermediate_size` are DSpark's / DFlash's; `ttt_length` is EAGLE-3's). `num_samples` trains on the
+    cache's first samples only; the losses score the tokens the data supervises unless `full_vocabulary`.
+    `init` "target" starts a DSpark / DFlash drafter from the target's layers (`init_from_target_layers`)."""
     from tqdm import tqdm
 
     target, hf_config, tokenizer = load_model(target_model)
@@ -74,6 +75,7 @@ def train_drafter(
                 else default_mask_token(tokenizer, config_t.vocab_size),
                 markov_rank=markov_rank if heads else 0,
                 confidence_head=heads,
+                intermediate_size=intermediate_size,
             )
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)

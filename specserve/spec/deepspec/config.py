@@ -302,8 +302,11 @@ def default_mask_token(tokenizer, vocab_size: int) -> int:
     raise SpecserveError("no unused embedding row to use as the mask token: give mask_token_id")
 
 
-def draft_backbone(target_config, num_layers: int) -> tuple[str, transformers.PretrainedConfig]:
-    """(family, backbone config) of a new drafter: the target's dimensions, `num_layers` global layers."""
+def draft_backbone(
+    target_config, num_layers: int, intermediate_size: int | None = None
+) -> tuple[str, transformers.PretrainedConfig]:
+    """(family, backbone config) of a new drafter: the target's dimensions (its MLP width unless
+    `intermediate_size`), `num_layers` global layers."""
     family = FAMILY_OF_TARGET.get(target_config.model_type)
     if family is None:
         raise SpecserveError(
@@ -322,6 +325,8 @@ def draft_backbone(target_config, num_layers: int) -> tuple[str, transformers.Pr
         tie_word_embeddings=False,
         attention_bias=False,
     )
+    if intermediate_size is not None:
+        fields["intermediate_size"] = intermediate_size
     return family, _HF_CONFIG[family](**fields)
 
 
@@ -336,14 +341,16 @@ def new_draft_config(
     markov_head_type: str = "vanilla",
     confidence_head: bool = True,
     confidence_with_markov: bool = True,
+    intermediate_size: int | None = None,
 ) -> DSparkConfig:
-    """A fresh DSpark config for a target (training starts here). DFlash: rank 0, no confidence head."""
+    """A fresh DSpark config for a target (training starts here). DFlash: rank 0, no confidence head.
+    `intermediate_size`: the draft layers' MLP width (default: the target's)."""
     if mask_token_id is None:
         raise SpecserveError(
             "mask_token_id is needed: an id whose embedding is never a real token (Qwen: the first unused "
             "padded row, e.g. 151669 for Qwen3; Gemma 4: 4)"
         )
-    family, backbone = draft_backbone(target_config, num_layers)
+    family, backbone = draft_backbone(target_config, num_layers, intermediate_size)
     config = DSparkConfig(
         family=family,
         backbone=backbone,

@@ -61,6 +61,9 @@ class Drafter:
 
     capture_layers: tuple[int, ...] = ()
     default_num_tokens: int = 3
+    # Serial drafters ask `keep_drafting` before each draft step; the others draft a round at once and the
+    # engine asks the verify planner before it whether the step drafts at all.
+    drafts_serially: bool = False
 
     def propose(
         self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None

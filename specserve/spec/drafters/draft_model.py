@@ -43,6 +43,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelDrafter(Drafter):
+    drafts_serially = True
+
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, target):
         self.runner = ModelRunner(model, num_blocks, block_size, dtype)
         self.blocks = BlockManager(num_blocks, block_size)
