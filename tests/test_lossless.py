@@ -81,14 +81,14 @@ def drafters(models, tmp_path_factory):
         return str(directory)
 
     vanilla = dspark("vanilla")
-    # Step time 1 + 0.001 B: at ~1000 requests a draft pays when its survival exceeds ~0.5, at fewer
-    # requests lower, so the scheduled planners verify different lengths from step to step.
-    profile = CostProfile([1, 4096], [1.001, 1 + 0.001 * 4096]).save(
+    # Step time 1 + 0.0002 B: at ~1000 decoding requests a draft pays when its survival exceeds ~0.17, at
+    # fewer requests lower, so the scheduled planners verify different lengths from step to step.
+    profile = CostProfile([1, 4096], [1.0002, 1 + 0.0002 * 4096]).save(
         tmp_path_factory.mktemp("cost") / "p.json"
     )
     # Drafting costs 0.1 s a step: the draft model stops early where the next draft would not pay.
     drafting = CostProfile(
-        [1, 4096], [1.001, 1 + 0.001 * 4096], draft_requests=[1, 4096], draft_s=[0.3, 0.3]
+        [1, 4096], [1.0002, 1 + 0.0002 * 4096], draft_requests=[1, 4096], draft_s=[0.3, 0.3]
     ).save(tmp_path_factory.mktemp("cost") / "p.json")
     return {
         "draft_model": {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3},

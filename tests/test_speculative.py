@@ -252,6 +252,27 @@ def test_a_draft_model_catches_up_after_steps_without_drafts(
     assert stats.num_drafts > 0 and calls["first"] >= 4  # steps with and without drafts
 
 
+def test_the_planner_weighs_drafts_against_decode_tokens_only(
+    target_dir, reference, tiny_model_dir, cheap_drafting, monkeypatch
+):
+    """Long prompts arrive while others decode (chunked prefill rides in the same steps): the planner is
+    still asked with the decode tokens alone, never with the prompt chunks (which would make drafting
+    look cheap beside them)."""
+    asked = []
+    decide = ScheduledPlanner.keep_drafting
+
+    def record(self, proposals, base_tokens):
+        asked.append((len(proposals), base_tokens))
+        return decide(self, proposals, base_tokens)
+
+    monkeypatch.setattr(ScheduledPlanner, "keep_drafting", record)
+    spec = SPEC_CONFIGS["draft_model_scheduled"](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
+    llm = LLM(target_dir, max_model_len=256, max_num_batched_tokens=32, speculative_config=spec)
+    prompts = [list(range(3, 10)), list(range(3, 100)), list(range(5, 150))]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert asked and all(base == requests for requests, base in asked)
+
+
 @pytest.mark.parametrize("name", ["dspark_scheduled", "eagle3"])
 def test_round_drafters_catch_up_after_steps_without_a_round(
     name, target_dir, reference, drafter_dirs, cheap_drafting, monkeypatch

@@ -267,19 +267,16 @@ class LLMEngine:
         profile.plot(path.with_suffix(".png"))
         return profile
 
-    def _pending_prefill_tokens(self) -> int:
-        """Prompt tokens the next step will likely carry beside the decode pieces (for the planner)."""
-        pending = sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
-        pending += sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
-        return min(pending, self.config.max_num_batched_tokens)
-
     def _propose(self) -> None:
         """Drafts for every running sequence whose next step is a decode step (one token not yet cached)."""
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
         if not decoding:
             return
         start = time.perf_counter()
-        base_tokens = len(decoding) + self._pending_prefill_tokens()
+        # The planner weighs drafts against this step's decode tokens only. Prompt chunks riding in the
+        # same step are work done anyway: counted as steps that emit nothing, they made any step with a
+        # prefill look slow, and drafting (a fixed cost per round) look cheap beside it.
+        base_tokens = len(decoding)
         if not self.drafter.drafts_serially and not self.planner.draft_round(len(decoding), base_tokens):
             # A plain step. A drafter conditioned on the target's features keeps collecting them
             # (`observe`) and takes them all into its context at its next round.
