@@ -67,9 +67,10 @@ def init_draft_weights(model: DraftModel, target: CausalLM, seed: int = 0, std: 
 def init_from_target_layers(model: DSparkDraftModel, target: CausalLM) -> None:
     """Start the draft layers as copies of the target layers after the deepest captured one, and the context
     projection as that layer's input: `fc` selects the deepest captured features and `hidden_norm` is the next
-    layer's input norm, so the first draft layer's context K/V are the target's own from step 0 (random init
-    needs ~100 steps before the drafter reads its context at all). Tensors without a same-named,
-    same-shaped target twin (Qwen2 targets: q/k norms, biases) keep `init_draft_weights`' values."""
+    layer's input norm, so the first draft layer's context K/V are the target's own from step 0. Tensors
+    without a same-named, same-shaped target twin (Qwen2 targets: q/k norms, biases) keep
+    `init_draft_weights`' values. (Measured on Qwen2.5-Coder-1.5B at lr 2e-3: no faster than random init
+    over the first 117 steps; the first updates undo the copy.)"""
     if not isinstance(model, DSparkDraftModel):
         raise SpecserveError("initialising from target layers is for DSpark / DFlash drafters")
     target_layers, hidden = target.model.layers, model.config.hidden_size
