@@ -122,6 +122,25 @@ def test_async_capacity_comes_from_two_steps_earlier():
             assert chosen == {(r, j) for r, n in enumerate(plan.lengths) for j in range(n)}
 
 
+def test_async_drafts_nothing_while_its_capacity_is_zero():
+    """Each verified token costs half a step: drafts that survive 10% of the time are never worth it, so the
+    capacity sized two steps later is 0 and the step does not draft (but for a probe every PROBE_EVERY
+    steps); once confident rounds give it room again, it drafts at once."""
+    profile = CostProfile([1, 65], [1.0, 33.0], draft_requests=[1, 64], draft_s=[0.01, 0.01])
+    planner = AsyncDSparkPlanner(profile, 4)
+    nothing_yet = [proposal_with([]), proposal_with([])]
+    assert planner.keep_drafting(nothing_yet, 2) == [True, True]  # no capacity known yet
+    for _ in range(2):
+        planner.plan([proposal_with([0.1] * 4)] * 2, 2)
+    assert planner.capacity() == 0
+    decisions = [planner.keep_drafting(nothing_yet, 2) for _ in range(planner.PROBE_EVERY + 1)]
+    assert decisions == [[False, False]] * planner.PROBE_EVERY + [[True, True]]
+    assert not planner.draft_round(2, 2)
+    for _ in range(2):
+        planner.plan([proposal_with([0.95] * 4)] * 2, 2)
+    assert planner.capacity() > 0 and planner.keep_drafting(nothing_yet, 2) == [True, True]
+
+
 def test_budget_per_request_falls_with_load():
     """Verification is free up to 16 tokens, then each token costs: more requests, fewer drafts each."""
     profile = CostProfile([1, 16, 1024], [1.0, 1.0, 1.0 + 0.02 * (1024 - 16)])

@@ -15,7 +15,8 @@ are independent of this one's).
   and keeps the best prefix afterwards lets c_{j+1}, which depends on d_j, decide whether d_j is verified.
 - `dspark_async` (paper §5.2): the batch capacity K comes from the confidences of two steps earlier (known
   before anything of this step was drafted); this step verifies the top K candidates by a_rj, no early
-  stop. Survival decreases along a request's drafts, so the top K form a prefix of each request.
+  stop. Survival decreases along a request's drafts, so the top K form a prefix of each request. Where K
+  is 0 the step drafts nothing (but for a probe now and then).
 
 The scheduled policies read the confidences through the engine's `Recalibration` (per position, the
 realised acceptance of past rounds at the same raw confidence): the table only changes after a
@@ -214,12 +215,37 @@ class AsyncDSparkPlanner(ScheduledPlanner):
     def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
         super().__init__(profile, num_tokens, recalibration)
         self.history: deque[tuple[list[torch.Tensor], int]] = deque(maxlen=self.LAG)
+        self.empty_steps = 0  # steps without drafts since the capacity was last nonzero or probed
+
+    def capacity(self) -> int | None:
+        """Drafts this step's plan verifies (sized by the confidences of LAG steps earlier); None before
+        there is such a step (the causal planner then runs)."""
+        if len(self.history) < self.LAG:
+            return None
+        return sum(greedy_admission(*self.history[0], self.profile).lengths)
+
+    def nothing_to_verify(self) -> bool:
+        """The plan will verify nothing (capacity 0), so drafting would be paid for nothing; yet one step
+        in PROBE_EVERY drafts, or the capacity could never change."""
+        if self.capacity() == 0 and self.empty_steps < self.PROBE_EVERY:
+            self.empty_steps += 1
+            return True
+        self.empty_steps = 0
+        return False
+
+    def keep_drafting(self, proposals, base_tokens):
+        if all(not p.token_ids for p in proposals) and self.nothing_to_verify():  # before the first draft
+            return [False] * len(proposals)
+        return super().keep_drafting(proposals, base_tokens)
+
+    def draft_round(self, num_requests, base_tokens):
+        return not self.nothing_to_verify() and super().draft_round(num_requests, base_tokens)
 
     def plan(self, proposals, base_tokens):
         survivals = self.survivals(proposals)
         self.remember(survivals)
-        if len(self.history) == self.LAG:
-            capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
+        capacity = self.capacity()
+        if capacity is not None:
             lengths = [0] * len(proposals)
             for _, j, r in ranked_candidates(survivals)[:capacity]:
                 lengths[r] = max(lengths[r], j + 1)
