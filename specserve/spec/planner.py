@@ -122,7 +122,7 @@ class ScheduledPlanner(VerifyPlanner):
     """The policies that read the cost profile (`num_tokens`: the draft length of its drafting rounds).
     With a `recalibration`, the confidences they read are corrected by the engine's past outcomes."""
 
-    PROBE_EVERY = 16  # plain steps before a round is drafted anyway, to see whether drafting pays again
+    PROBE_EVERY = 16  # steps without drafting before one drafts anyway, to see whether drafting pays again
     RECENT_WEIGHT = 0.5  # of the newest round in the running mean of predicted survival
 
     def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
@@ -130,7 +130,7 @@ class ScheduledPlanner(VerifyPlanner):
         self.num_tokens = num_tokens
         self.recalibration = recalibration
         self.recent_survival: torch.Tensor | None = None  # [num_tokens], mean over recent rounds' requests
-        self.plain_steps = 0  # steps since the last drafted round
+        self.skipped_steps = 0  # steps without drafting since the last one that drafted
 
     def remember(self, survivals: list[torch.Tensor]) -> None:
         """A round's predicted survivals (full-length proposals only) enter the running mean."""
@@ -142,19 +142,27 @@ class ScheduledPlanner(VerifyPlanner):
             mean = self.RECENT_WEIGHT * mean + (1 - self.RECENT_WEIGHT) * self.recent_survival
         self.recent_survival = mean
 
+    def skip_or_probe(self, skip: bool) -> bool:
+        """Whether this step drafts nothing: when `skip` says so, except one such step in PROBE_EVERY (what
+        decides that drafting does not pay could never change otherwise)."""
+        if skip and self.skipped_steps < self.PROBE_EVERY:
+            self.skipped_steps += 1
+            return True
+        self.skipped_steps = 0
+        return False
+
+    def round_pays(self, num_requests: int, base_tokens: int) -> bool:
+        """Every request expected to survive as recent rounds predicted (confidences known before this
+        step drafts anything), planned by Algorithm 1 with the round's drafting time paid, beats a plain
+        step; without a recent round, yes."""
+        if self.recent_survival is None:
+            return True
+        expected = [self.recent_survival] * num_requests
+        drafted = greedy_admission(expected, base_tokens, self.profile).throughput
+        return drafted > num_requests / self.profile.step_time(base_tokens)
+
     def draft_round(self, num_requests, base_tokens):
-        """Whether a round pays this step: every request expected to survive as recent rounds predicted
-        (confidences known before this step drafts anything), planned by Algorithm 1 with the round's
-        drafting time paid, against a plain step. Without a recent round, or after PROBE_EVERY plain
-        steps (the estimate would never change otherwise), it drafts."""
-        if self.recent_survival is not None and self.plain_steps < self.PROBE_EVERY:
-            expected = [self.recent_survival] * num_requests
-            drafted = greedy_admission(expected, base_tokens, self.profile).throughput
-            if drafted <= num_requests / self.profile.step_time(base_tokens):
-                self.plain_steps += 1
-                return False
-        self.plain_steps = 0
-        return True
+        return not self.skip_or_probe(not self.round_pays(num_requests, base_tokens))
 
     def predicted_survival(self, confidences: torch.Tensor) -> torch.Tensor:
         if self.recalibration is not None:
@@ -215,31 +223,22 @@ class AsyncDSparkPlanner(ScheduledPlanner):
     def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
         super().__init__(profile, num_tokens, recalibration)
         self.history: deque[tuple[list[torch.Tensor], int]] = deque(maxlen=self.LAG)
-        self.empty_steps = 0  # steps without drafts since the capacity was last nonzero or probed
+        self._capacity: int | None = None
 
     def capacity(self) -> int | None:
-        """Drafts this step's plan verifies (sized by the confidences of LAG steps earlier); None before
+        """Drafts the next plan verifies (sized by the confidences of LAG steps before it); None until
         there is such a step (the causal planner then runs)."""
-        if len(self.history) < self.LAG:
-            return None
-        return sum(greedy_admission(*self.history[0], self.profile).lengths)
-
-    def nothing_to_verify(self) -> bool:
-        """The plan will verify nothing (capacity 0), so drafting would be paid for nothing; yet one step
-        in PROBE_EVERY drafts, or the capacity could never change."""
-        if self.capacity() == 0 and self.empty_steps < self.PROBE_EVERY:
-            self.empty_steps += 1
-            return True
-        self.empty_steps = 0
-        return False
+        return self._capacity
 
     def keep_drafting(self, proposals, base_tokens):
-        if all(not p.token_ids for p in proposals) and self.nothing_to_verify():  # before the first draft
+        # Before the first draft: with capacity 0 drafting would be paid for nothing.
+        if all(not p.token_ids for p in proposals) and self.skip_or_probe(self._capacity == 0):
             return [False] * len(proposals)
         return super().keep_drafting(proposals, base_tokens)
 
     def draft_round(self, num_requests, base_tokens):
-        return not self.nothing_to_verify() and super().draft_round(num_requests, base_tokens)
+        skip = self._capacity == 0 or not self.round_pays(num_requests, base_tokens)
+        return not self.skip_or_probe(skip)
 
     def plan(self, proposals, base_tokens):
         survivals = self.survivals(proposals)
@@ -252,6 +251,8 @@ class AsyncDSparkPlanner(ScheduledPlanner):
         else:  # no history yet: the causal planner on this step's confidences
             lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
         self.history.append((survivals, base_tokens))
+        if len(self.history) == self.LAG:  # computed once per plan, read before the next one drafts
+            self._capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
         return Plan(lengths, _expected(proposals, lengths, survivals))
 
 
