@@ -5,6 +5,8 @@
 #
 #   recipes/local-drafters.sh                 # everything (several CPU hours on 2 cores)
 #   STAGES="data cache" recipes/local-drafters.sh
+#   STEPS=3000 INTERMEDIATE=2048 SUFFIX=-long SMALL_BUDGET=0 STAGES="train calibrate eval bench" \
+#     recipes/local-drafters.sh              # a 10x budget beside the first (drafters dspark-long, dflash-long)
 #
 # Stages: data (the target answers code prompts), cache (target features), train (dspark, dflash and, with
 # SMALL_BUDGET, a dspark on a quarter of the data to show how tau grows with data), calibrate (STS),
@@ -31,6 +33,8 @@ ANCHORS=${ANCHORS:-32}             # blocks per sequence and step
 LAYERS=${LAYERS:-1}
 BLOCK=${BLOCK:-7}
 MARKOV_RANK=${MARKOV_RANK:-64}     # W2 [V, r] is read once per drafted token: r = 256 costs ~7 ms a slot here
+INTERMEDIATE=${INTERMEDIATE:-}     # the draft MLP's width (default: the target's); 2048 saves a fifth of a step
+SUFFIX=${SUFFIX:-}                 # drafter directories are dspark$SUFFIX and dflash$SUFFIX
 SMALL_BUDGET=${SMALL_BUDGET:-1}
 EVAL_PROMPTS=${EVAL_PROMPTS:-10}   # per dataset
 EVAL_TOKENS=${EVAL_TOKENS:-128}
@@ -39,6 +43,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # spinning OpenMP threads sl
 
 mkdir -p "$WORK"
 has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
+DSPARK=dspark$SUFFIX
+DFLASH=dflash$SUFFIX
 drafter() { echo "{\"method\": \"$1\", \"model\": \"$WORK/$2\"${3:+, $3}}"; }
 
 if has_stage data; then
@@ -67,29 +73,30 @@ fi
 train() {  # name method steps [more arguments]
   MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 "$SPECSERVE" train --model "$TARGET" --cache "$WORK/cache-train" --output "$WORK/$1" --method "$2" \
     --layers "$LAYERS" --block-size "$BLOCK" --markov-rank "$MARKOV_RANK" --steps "$3" \
-    --batch-size "$BATCH" --num-anchors "$ANCHORS" --lr "$LR" "${@:4}"
+    --batch-size "$BATCH" --num-anchors "$ANCHORS" --lr "$LR" ${INTERMEDIATE:+--intermediate-size "$INTERMEDIATE"} \
+    --checkpoint-every 50 "${@:4}"
 }
 if has_stage train; then
-  train dspark dspark "$STEPS"
-  train dflash dflash "$STEPS"
+  train "$DSPARK" dspark "$STEPS"
+  train "$DFLASH" dflash "$STEPS"
   if [[ $SMALL_BUDGET == 1 ]]; then
     samples=$(python3 -c "import json; print(json.load(open('$WORK/cache-train/manifest.json'))['num_samples'])")
-    train dspark-quarter dspark $((STEPS / 4)) --num-samples $((samples / 4))
+    train "$DSPARK-quarter" dspark $((STEPS / 4)) --num-samples $((samples / 4))
   fi
 fi
 
 if has_stage calibrate; then
-  "$SPECSERVE" calibrate --model "$TARGET" --speculative-config "$(drafter dspark dspark)" \
+  "$SPECSERVE" calibrate --model "$TARGET" --speculative-config "$(drafter dspark "$DSPARK")" \
     --prompts "$WORK/held-out.jsonl" --num-prompts "$HELD_OUT" --max-tokens "$EVAL_TOKENS"
 fi
 
 DATASETS="$EVAL/humaneval.jsonl,$EVAL/mbpp.jsonl,$EVAL/gsm8k.jsonl,$EVAL/mt-bench.jsonl"
 if has_stage eval; then
   extra=()
-  [[ $SMALL_BUDGET == 1 ]] && extra=(--drafter "dspark-quarter=$(drafter dspark dspark-quarter)")
+  [[ $SMALL_BUDGET == 1 ]] && extra=(--drafter "$DSPARK-quarter=$(drafter dspark "$DSPARK-quarter")")
   "$SPECSERVE" eval --model "$TARGET" --datasets "$DATASETS" --num-prompts "$EVAL_PROMPTS" \
-    --max-tokens "$EVAL_TOKENS" --output "$WORK/eval" \
-    --drafter "dspark=$(drafter dspark dspark)" --drafter "dflash=$(drafter dflash dflash)" "${extra[@]}" \
+    --max-tokens "$EVAL_TOKENS" --output "$WORK/eval$SUFFIX" \
+    --drafter "$DSPARK=$(drafter dspark "$DSPARK")" --drafter "$DFLASH=$(drafter dflash "$DFLASH")" "${extra[@]}" \
     --drafter "draft_model={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}" \
     --drafter 'ngram={"method": "ngram", "num_speculative_tokens": 5}'
 fi
@@ -97,9 +104,9 @@ fi
 if has_stage bench; then
   "$SPECSERVE" bench spec --model "$TARGET" --prompts "$EVAL/humaneval.jsonl" --num-prompts "$EVAL_PROMPTS" \
     --new-tokens "$EVAL_TOKENS" --no-transformers \
-    --drafter "dspark=$(drafter dspark dspark)" \
-    --drafter "dspark scheduled=$(drafter dspark dspark '"verify_policy": "dspark"')" \
-    --drafter "dflash=$(drafter dflash dflash)" \
+    --drafter "$DSPARK=$(drafter dspark "$DSPARK")" \
+    --drafter "$DSPARK scheduled=$(drafter dspark "$DSPARK" '"verify_policy": "dspark"')" \
+    --drafter "$DFLASH=$(drafter dflash "$DFLASH")" \
     --drafter "draft_model k5={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}" \
-    --drafter 'ngram k5={"method": "ngram", "num_speculative_tokens": 5}' | tee "$WORK/bench-humaneval.txt"
+    --drafter 'ngram k5={"method": "ngram", "num_speculative_tokens": 5}' | tee "$WORK/bench-humaneval$SUFFIX.txt"
 fi

