@@ -145,7 +145,7 @@ def test_async_drafts_only_what_its_capacity_can_verify():
     """Drafts beyond the capacity would never be verified: a confident request stops drafting at the
     capacity sized by the poor rounds two steps earlier. The capacity is sized on drafts extended to the
     full length: rounds that stopped after two confident drafts still give room for five (sized on the
-    drafts alone, the capacity of a serial drafter could only shrink)."""
+    drafts alone, the capacity of a serial drafter could only shrink), and steps without drafts keep it."""
     profile = CostProfile([1, 64], [1.0, 7.3], draft_requests=[1, 64], draft_s=[0.01, 0.01])  # +0.1 a token
     planner = AsyncDSparkPlanner(profile, 5)
     for _ in range(2):
@@ -157,6 +157,9 @@ def test_async_drafts_only_what_its_capacity_can_verify():
         planner.plan([proposal_with([0.99] * 2)], 1)
     assert planner.capacity() == 5
     assert planner.keep_drafting([proposal_with([0.99] * 4)], 1) == [True]
+    for _ in range(2):  # steps that draft nothing (a request at its token limit) tell nothing new
+        planner.plan([proposal_with([])], 1)
+    assert planner.capacity() == 5
 
 
 def test_budget_per_request_falls_with_load():

@@ -280,7 +280,7 @@ class LLMEngine:
         if not self.drafter.drafts_serially and not self.planner.draft_round(len(decoding), base_tokens):
             # A plain step. A drafter conditioned on the target's features keeps collecting them
             # (`observe`) and takes them all into its context at its next round.
-            self._planned = Plan([0] * len(decoding), 0.0)
+            self._planned = self.planner.plan([DraftProposal([]) for _ in decoding], base_tokens)
             return
         keep_drafting = functools.partial(self.planner.keep_drafting, base_tokens=base_tokens)
         proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)

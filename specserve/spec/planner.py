@@ -222,7 +222,7 @@ class AsyncDSparkPlanner(ScheduledPlanner):
 
     def __init__(self, profile: CostProfile, num_tokens: int, recalibration: Recalibration | None = None):
         super().__init__(profile, num_tokens, recalibration)
-        self.history: deque[tuple[list[torch.Tensor], int]] = deque(maxlen=self.LAG)
+        self.implied: deque[int] = deque(maxlen=self.LAG)  # the capacity each recent step's confidences imply
         self._capacity: int | None = None
 
     def capacity(self) -> int | None:
@@ -264,13 +264,17 @@ class AsyncDSparkPlanner(ScheduledPlanner):
         # A serial drafter stops early where it expects little, so a step's drafts may be fewer than the
         # capacity it could use: sized on those alone, the capacity could only shrink. It is sized on every
         # request's drafts extended to the full draft length at the last confidence (as `keep_drafting`
-        # expects the next draft to be).
+        # expects the next draft to be). A step without drafts (skipped, or every request at its token
+        # limit) tells nothing new: it passes on the capacity the step before it implied.
         extended = [
             self.predicted_survival(full_length(p.slot_confidences(), self.num_tokens)) for p in proposals
         ]
-        self.history.append((extended, base_tokens))
-        if len(self.history) == self.LAG:  # computed once per plan, read before the next one drafts
-            self._capacity = sum(greedy_admission(*self.history[0], self.profile).lengths)
+        if any(len(e) for e in extended):
+            self.implied.append(sum(greedy_admission(extended, base_tokens, self.profile).lengths))
+        elif self.implied:
+            self.implied.append(self.implied[-1])
+        if len(self.implied) == self.LAG:  # computed once per plan, read before the next one drafts
+            self._capacity = self.implied[0]
         return Plan(lengths, _expected(proposals, lengths, survivals))
 
 
