@@ -181,7 +181,7 @@ class ScheduledPlanner(VerifyPlanner):
         first = self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
         # Each request's survivals with one more slot at the last raw confidence: [a_1..a_j, a_(j+1)].
         extended = [
-            self.predicted_survival(torch.cat([c, c[-1:]]))
+            self.predicted_survival(full_length(c, len(c) + 1))
             for c in map(DraftProposal.slot_confidences, proposals)
         ]
         survivals = [e[:-1] for e in extended]
@@ -259,7 +259,7 @@ class AsyncDSparkPlanner(ScheduledPlanner):
             lengths = [0] * len(proposals)
             for _, j, r in ranked_candidates(survivals)[:capacity]:
                 lengths[r] = max(lengths[r], j + 1)
-        else:  # no history yet: the causal planner on this step's confidences
+        else:  # no capacity yet: the causal planner on this step's confidences
             lengths = greedy_admission(survivals, base_tokens, self.profile).lengths
         # A serial drafter stops early where it expects little, so a step's drafts may be fewer than the
         # capacity it could use: sized on those alone, the capacity could only shrink. It is sized on every
