@@ -430,7 +430,12 @@ def test_data_cache_train_pipeline_gives_a_drafter_the_engine_serves(tmp_path):
         "target",
     ]
     assert main([*argv, "--mask-token-id", "3", "--num-anchors", "8", "--markov-rank", "8"]) == 0
-    assert len((drafter / "metrics.jsonl").read_text().splitlines()) == 3
+    log = drafter / "metrics.jsonl"
+    assert [json.loads(row)["step"] for row in log.read_text().splitlines()] == [1, 2, 3]
+    with open(log, "a") as f:  # a step logged after the last checkpoint, then interrupted
+        f.write(json.dumps({"step": 4, "loss": 1.0}) + "\n")
+    assert main([*argv, "--mask-token-id", "3", "--num-anchors", "8", "--markov-rank", "8"]) == 0  # resumes
+    assert [json.loads(row)["step"] for row in log.read_text().splitlines()] == [1, 2, 3]
     assert json.loads((drafter / "config.json").read_text())["intermediate_size"] == 32  # a narrower MLP
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLM(model, max_model_len=128).generate(["abc"], params)[0].outputs[0].token_ids

@@ -14,7 +14,7 @@ from specserve.models.registry import text_config_of
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
 from specserve.spec.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
 from specserve.train.target_cache import TargetCache
-from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics
+from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics, truncate_metrics
 
 
 def training_samples(cache: TargetCache, num_samples: int | None) -> Sequence[Sample]:
@@ -90,6 +90,7 @@ def train_drafter(
     cache.check(trainer.model.config, target_model)
     log = output / "metrics.jsonl"
     output.mkdir(parents=True, exist_ok=True)
+    truncate_metrics(log, trainer.step_index)
     with tqdm(total=train_config.total_steps, initial=trainer.step_index, desc=f"training {method}") as bar:
         while trainer.step_index < train_config.total_steps:
             metrics = trainer.step()

@@ -222,6 +222,14 @@ class Trainer:
         return trainer
 
 
+def truncate_metrics(path: str | Path, step: int) -> None:
+    """Drop the log's rows past `step`: a resumed run redoes the steps after its last checkpoint."""
+    path = Path(path)
+    if path.is_file():
+        rows = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(r for r in rows if r.strip() and json.loads(r)["step"] <= step))
+
+
 def append_metrics(path: str | Path, step: int, metrics: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps({"step": step, **metrics}) + "\n")
