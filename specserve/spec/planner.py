@@ -16,7 +16,8 @@ are independent of this one's).
 - `dspark_async` (paper §5.2): the batch capacity K comes from the confidences of two steps earlier (known
   before anything of this step was drafted); this step verifies the top K candidates by a_rj, no early
   stop. Survival decreases along a request's drafts, so the top K form a prefix of each request. Where K
-  is 0 the step drafts nothing (but for a probe now and then).
+  is 0 the step drafts nothing (but for a probe now and then); a serial drafter drafts no further than K
+  can verify, and K is sized on drafts extended to the full length (its early stops would only shrink it).
 
 The scheduled policies read the confidences through the engine's `Recalibration` (per position, the
 realised acceptance of past rounds at the same raw confidence): the table only changes after a
