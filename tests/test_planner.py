@@ -200,22 +200,6 @@ def test_a_serial_drafter_drafts_at_all_only_where_it_can_pay():
     assert DSparkPlanner(cheap, 4, rarely).keep_drafting(nothing_yet, 2) == [False, False]
 
 
-def test_a_first_draft_pays_for_its_backlog_over_the_tokens_left():
-    """A first draft that must feed the drafter a backlog of 195 tokens (2 s, paid once) pays for a request
-    with 100 tokens to go, not for one with 4; a usual catch-up (a round's num_tokens + 1) is in the
-    profiled round already, and a request that drafted this round has paid its backlog."""
-    profile = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[0.4, 0.4], catch_up_s=0.01)
-    planner = DSparkPlanner(profile, 4)
-    nothing_yet = [proposal_with([])]
-    assert planner.keep_drafting(nothing_yet, 1, to_feed=[200], remaining=[100]) == [True]
-    assert planner.keep_drafting(nothing_yet, 1, to_feed=[200], remaining=[4]) == [False]
-    assert planner.keep_drafting(nothing_yet, 1, to_feed=[5], remaining=[4]) == [True]
-    assert planner.keep_drafting([proposal_with([0.9])], 1, to_feed=[200], remaining=[4]) == [True]
-    two = [proposal_with([]), proposal_with([])]
-    assert planner.keep_drafting(two, 2, to_feed=[200, 5], remaining=[4, 4]) == [False, True]
-    assert planner.keep_drafting(two, 2, to_feed=[5, 200], remaining=[4, 4]) == [True, False]
-
-
 def test_a_round_drafter_drafts_only_while_recent_rounds_pay():
     """A round costs 0.4 target steps and verification is free: rounds whose drafts survive 90% of the
     time pay, 10% do not. Without a round yet the planner drafts; after poor rounds it skips, yet drafts

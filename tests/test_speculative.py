@@ -231,12 +231,12 @@ def test_a_draft_model_catches_up_after_steps_without_drafts(
     decide = ScheduledPlanner.keep_drafting
     calls = {"first": 0}
 
-    def every_other_step(self, proposals, base_tokens, *backlog):
+    def every_other_step(self, proposals, base_tokens):
         if all(not p.token_ids for p in proposals):
             calls["first"] += 1
             if calls["first"] % 2:
                 return [False] * len(proposals)
-        return decide(self, proposals, base_tokens, *backlog)
+        return decide(self, proposals, base_tokens)
 
     monkeypatch.setattr(ScheduledPlanner, "keep_drafting", every_other_step)
     prompts, expected = reference
@@ -257,9 +257,9 @@ def test_the_planner_weighs_drafts_against_decode_tokens_only(
     asked = []
     decide = ScheduledPlanner.keep_drafting
 
-    def record(self, proposals, base_tokens, *backlog):
+    def record(self, proposals, base_tokens):
         asked.append((len(proposals), base_tokens))
-        return decide(self, proposals, base_tokens, *backlog)
+        return decide(self, proposals, base_tokens)
 
     monkeypatch.setattr(ScheduledPlanner, "keep_drafting", record)
     spec = SPEC_CONFIGS["draft_model_scheduled"](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
@@ -267,32 +267,6 @@ def test_the_planner_weighs_drafts_against_decode_tokens_only(
     prompts = [list(range(3, 10)), list(range(3, 100)), list(range(5, 150))]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert asked and all(base == requests for requests, base in asked)
-
-
-def test_the_planner_sees_each_draft_steps_feed_and_the_tokens_left(
-    target_dir, tiny_model_dir, cheap_drafting, monkeypatch
-):
-    """A draft model's first step for a new request feeds its whole prompt and the first output token; a
-    first step after a verified round feeds at most the round's tokens; later steps feed one draft each.
-    The tokens left count down from max_tokens."""
-    asked = []
-    decide = ScheduledPlanner.keep_drafting
-
-    def record(self, proposals, base_tokens, to_feed, remaining):
-        asked.append((len(proposals[0].token_ids), to_feed[0], remaining[0]))
-        return decide(self, proposals, base_tokens, to_feed, remaining)
-
-    monkeypatch.setattr(ScheduledPlanner, "keep_drafting", record)
-    spec = SPEC_CONFIGS["draft_model_scheduled"](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
-    llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
-    prompt = list(range(3, 40))
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    k = llm.engine.num_draft_tokens
-    assert asked[0] == (0, len(prompt) + 1, 19)
-    firsts = [(fed, left) for drafts, fed, left in asked if drafts == 0]
-    assert len(firsts) > 1 and all(1 <= fed <= k + 1 for fed, _ in firsts[1:])
-    assert [left for _, left in firsts] == sorted({left for _, left in firsts}, reverse=True)
-    assert all(fed == 1 for drafts, fed, _ in asked if drafts > 0)
 
 
 @pytest.mark.parametrize("name", ["dspark_scheduled", "eagle3"])

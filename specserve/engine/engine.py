@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -281,18 +282,14 @@ class LLMEngine:
             # (`observe`) and takes them all into its context at its next round.
             self._planned = self.planner.plan([DraftProposal([]) for _ in decoding], base_tokens)
             return
-        # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
-        remaining = [
-            min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
-            for seq in decoding
-        ]
-
-        def keep_drafting(so_far: list[DraftProposal], to_feed: list[int]) -> list[bool]:
-            return self.planner.keep_drafting(so_far, base_tokens, to_feed, remaining)
-
+        keep_drafting = functools.partial(self.planner.keep_drafting, base_tokens=base_tokens)
         proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)
         self.spec_stats.drafting_s += time.perf_counter() - start
-        capped = [proposal.truncate(max(0, n - 1)) for proposal, n in zip(proposals, remaining)]
+        capped = []
+        for seq, proposal in zip(decoding, proposals):
+            # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
+            room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            capped.append(proposal.truncate(max(0, room)))
         self._planned = self.planner.plan(capped, base_tokens)
         for seq, proposal, length in zip(decoding, capped, self._planned.lengths):
             proposal = proposal.truncate(length)

@@ -1,6 +1,5 @@
 """The engine's cost table: seconds per target step by flat-batch token count B (SPS(B) = 1 / T(B)) and
-seconds per drafting round by number of requests, measured on this machine, interpolated, cached on disk;
-and what a drafter's backlog costs per token (a new prompt, or the tokens of steps that drafted nothing).
+seconds per drafting round by number of requests, measured on this machine, interpolated, cached on disk.
 
 The verify planners read it to decide how many drafts are worth verifying: verification is nearly free
 while T(B) is flat (memory-bound decode) and stops paying as T(B) grows. Measurements run at a realistic
@@ -39,7 +38,6 @@ class CostProfile:
     step_s: list[float]  # target forward seconds at each B
     draft_requests: list[int] = field(default_factory=lambda: [1])
     draft_s: list[float] = field(default_factory=lambda: [0.0])  # drafting round seconds at each R
-    catch_up_s: float = 0.0  # drafter seconds per backlog token (fed beyond a round's usual few)
     meta: dict = field(default_factory=dict)  # what it was measured on
 
     def step_time(self, num_tokens: float) -> float:
@@ -131,7 +129,6 @@ def engine_key(engine) -> dict:
         "draft_tokens": engine.num_draft_tokens,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "context": DEFAULT_CONTEXT,
-        "schema": 2,  # 2: with catch_up_s
     }
 
 
@@ -149,15 +146,13 @@ def fake_requests(num_requests: int, context: int, vocab_size: int) -> list:
     ]
 
 
-def prime_drafter(drafter, seqs: list, num_tokens: int) -> float:
+def prime_drafter(drafter, seqs: list, num_tokens: int) -> None:
     """Hand a drafter its requests' prompts (random target features for hidden-state drafters) and run
-    the first round, which also processes those prompts; its seconds."""
+    the first, untimed round, which also processes those prompts."""
     if drafter.capture_layers:
         for seq in seqs:
             drafter.observe(seq, 0, torch.randn(seq.num_tokens - 1, drafter.model.fc.in_features))
-    begin = time.perf_counter()
     drafter.propose(seqs, num_tokens)
-    return time.perf_counter() - begin
 
 
 def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
@@ -197,17 +192,14 @@ def profile_engine(engine, num_tokens: int, repeats: int = 3) -> CostProfile:
             step_s = measure_target(forward, grid, repeats, bar)
         finally:
             engine.block_manager.free(scratch)
-        draft_s, catch_up_s = [], []
+        draft_s = []
         for r in request_grid:
             seqs = fake_requests(r, context, engine.vocab_size)
             drafter = engine.drafter
             k = engine.num_draft_tokens
-            primed_s = prime_drafter(drafter, seqs, k)
+            prime_drafter(drafter, seqs, k)
             draft_s.append(sorted(time_draft_round(drafter, seqs, k) for _ in range(repeats))[repeats // 2])
-            # The first round fed whole prompts where the timed ones feed ACCEPTED_PER_ROUND tokens each.
-            catch_up_s.append((primed_s - draft_s[-1]) / (r * (context - ACCEPTED_PER_ROUND)))
             for seq in seqs:
                 drafter.release(seq)
             bar.update(1)
-    catch_up = max(sorted(catch_up_s)[len(catch_up_s) // 2], 0.0)
-    return CostProfile(grid, step_s, request_grid, draft_s, catch_up, meta={"context": context})
+    return CostProfile(grid, step_s, request_grid, draft_s, meta={"context": context})

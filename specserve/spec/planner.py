@@ -65,16 +65,8 @@ class VerifyPlanner:
         """`base_tokens`: tokens the step carries besides drafts (anchors, prefill chunks)."""
         raise NotImplementedError
 
-    def keep_drafting(
-        self,
-        proposals: list[DraftProposal],
-        base_tokens: int,
-        to_feed: list[int] | None = None,
-        remaining: list[int] | None = None,
-    ) -> list[bool]:
-        """Before a serial drafter's step: which requests draft one more token (all, unless scheduled).
-        `to_feed`: per request, the tokens that step would feed the drafter; `remaining`: per request, the
-        tokens it may still emit."""
+    def keep_drafting(self, proposals: list[DraftProposal], base_tokens: int) -> list[bool]:
+        """Before a serial drafter's step: which requests draft one more token (all, unless scheduled)."""
         return [True] * len(proposals)
 
     def draft_round(self, num_requests: int, base_tokens: int) -> bool:
@@ -181,17 +173,12 @@ class ScheduledPlanner(VerifyPlanner):
     def survivals(self, proposals: list[DraftProposal]) -> list[torch.Tensor]:
         return [self.predicted_survival(p.slot_confidences()) for p in proposals]
 
-    def keep_drafting(self, proposals, base_tokens, to_feed=None, remaining=None):
+    def keep_drafting(self, proposals, base_tokens):
         """Which requests draft one more token: those whose every draft the plan verifies so far, best
         first, as many as raise the expected throughput once the next draft step is paid (perhaps none,
         even before the first draft, when drafting costs more than it can save). A next draft is expected
         to be as confident as the last one (the same raw confidence, at its own position); a first one to
-        survive as past first drafts did (certainly, without recalibration).
-
-        A first draft may also have to feed the drafter a backlog (a new prompt, or the tokens of steps
-        that drafted nothing). It is paid once and serves every later round of the request, so its cost
-        is spread over the tokens the request has left: a request near its end is not caught up for a
-        draft or two (that cost more than they saved at the tail of a loaded batch)."""
+        survive as past first drafts did (certainly, without recalibration)."""
         first = self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
         # Each request's survivals with one more slot at the last raw confidence: [a_1..a_j, a_(j+1)].
         extended = [
@@ -202,35 +189,25 @@ class ScheduledPlanner(VerifyPlanner):
         steps = max(len(s) for s in survivals)
         spent = steps * self.profile.draft_time(len(proposals)) / self.num_tokens
         now = greedy_admission(survivals, base_tokens, self.profile, spent)
-        # (expected survival of the next draft, its share of a backlog, request): likeliest first, then
-        # cheapest. A backlog is only ever fed by a first draft (later ones feed their previous draft).
-        catch_up = steps == 0 and to_feed is not None and remaining is not None
-        candidates = []
-        for r, (e, s) in enumerate(zip(extended, survivals)):
-            if len(s) == steps and now.lengths[r] == steps:
-                gain = float(e[-1]) if len(e) else first
-                share = self.catch_up_share(to_feed[r], remaining[r], 1 + gain) if catch_up else 0.0
-                candidates.append((gain, share, r))
-        candidates.sort(key=lambda c: (-c[0], c[1]))
+        gains = sorted(
+            (
+                (float(e[-1]) if len(e) else first, r)
+                for r, (e, s) in enumerate(zip(extended, survivals))
+                if len(s) == steps and now.lengths[r] == steps
+            ),
+            reverse=True,
+        )
         best, chosen, expected, tokens = now.throughput, 0, now.expected, base_tokens + sum(now.lengths)
-        backlog_s = 0.0
-        for m, (gain, share, _) in enumerate(candidates, 1):
-            expected, backlog_s = expected + gain, backlog_s + share
-            next_step_s = self.profile.draft_time(m) / self.num_tokens + backlog_s
+        for m, (gain, _) in enumerate(gains, 1):
+            expected += gain
+            next_step_s = self.profile.draft_time(m) / self.num_tokens
             throughput = expected / (self.profile.step_time(tokens + m) + spent + next_step_s)
             if throughput > best:
                 best, chosen = throughput, m
         keep = [False] * len(proposals)
-        for _, _, r in candidates[:chosen]:
+        for _, r in gains[:chosen]:
             keep[r] = True
         return keep
-
-    def catch_up_share(self, to_feed: int, remaining: int, emitted: float) -> float:
-        """Seconds of a request's backlog (what a first draft feeds beyond the num_tokens + 1 a round
-        after a verified one does, which the profiled round covers) charged to a step that emits
-        `emitted` of its `remaining` tokens."""
-        backlog = max(to_feed - (self.num_tokens + 1), 0)
-        return backlog * self.profile.catch_up_s * min(emitted / max(remaining, 1), 1.0)
 
 
 class DSparkPlanner(ScheduledPlanner):
@@ -254,11 +231,11 @@ class AsyncDSparkPlanner(ScheduledPlanner):
         there is such a step (the causal planner then runs)."""
         return self._capacity
 
-    def keep_drafting(self, proposals, base_tokens, to_feed=None, remaining=None):
+    def keep_drafting(self, proposals, base_tokens):
         # Before the first draft: with capacity 0 drafting would be paid for nothing.
         if all(not p.token_ids for p in proposals) and self.skip_or_probe(self._capacity == 0):
             return [False] * len(proposals)
-        keep = super().keep_drafting(proposals, base_tokens, to_feed, remaining)
+        keep = super().keep_drafting(proposals, base_tokens)
         if self._capacity is None:
             return keep
         # The plan verifies the `capacity` drafts that rank first by survival, and a request's next draft

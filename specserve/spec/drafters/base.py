@@ -43,9 +43,8 @@ class DraftProposal:
         return torch.ones(len(self.token_ids))
 
 
-# (The drafts so far per sequence, the tokens the next draft step would feed each) -> which sequences
-# draft one more token (the verify planner decides).
-KeepDrafting = Callable[[list["DraftProposal"], list[int]], list[bool]]
+# The drafts so far per sequence -> which sequences draft one more token (the verify planner decides).
+KeepDrafting = Callable[[list["DraftProposal"]], list[bool]]
 
 
 class Drafter:

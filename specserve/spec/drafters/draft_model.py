@@ -94,8 +94,7 @@ class DraftModelDrafter(Drafter):
         for _ in range(num_tokens):
             if keep_drafting is not None:  # asked before every step, the first included: none may pay
                 so_far = [DraftProposal(d, None, torch.tensor(c)) for d, c in zip(drafted, confidences)]
-                to_feed = [s.num_tokens + len(d) - len(st.fed) for s, d, st in zip(seqs, drafted, states)]
-                keep = keep_drafting(so_far, to_feed)
+                keep = keep_drafting(so_far)
                 active = [i for i in active if keep[i]]
                 if not active:
                     break
