@@ -9,7 +9,8 @@
 #     recipes/local-drafters.sh              # a 10x budget beside the first (drafters dspark-long, dflash-long)
 #
 # Stages: data (the target answers code prompts), cache (target features), train (dspark, dflash and, with
-# SMALL_BUDGET, a dspark on a quarter of the data to show how tau grows with data), calibrate (STS),
+# SMALL_BUDGET, a dspark on a quarter of the data to show how tau grows with data; then every run's
+# training curves in training-curves.png), calibrate (STS),
 # eval (tau per dataset, per position, calibration), bench (batch-1 tokens/s and ideal speedup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +84,10 @@ if has_stage train; then
     samples=$(python3 -c "import json; print(json.load(open('$WORK/cache-train/manifest.json'))['num_samples'])")
     train "$DSPARK-quarter" dspark $((STEPS / 4)) --num-samples $((samples / 4))
   fi
+  # Every run under $WORK side by side: how tau grows with steps and data.
+  runs=()
+  for log in "$WORK"/*/metrics.jsonl; do runs+=(--run "$(basename "$(dirname "$log")")=$(dirname "$log")"); done
+  "$SPECSERVE" train-curves "${runs[@]}" --output "$WORK/training-curves.png"
 fi
 
 if has_stage calibrate; then

@@ -340,6 +340,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_curves(args: argparse.Namespace) -> int:
+    from specserve.train.curves import plot_curves, read_curve, summary
+
+    runs = []
+    for item in args.run:
+        name, sep, directory = item.partition("=")
+        if not sep or not name or not directory:
+            raise SpecserveError(f"--run takes NAME=DIRECTORY, got {item!r}")
+        runs.append(read_curve(name, directory, args.window))
+    print(summary(runs))
+    print(f"wrote {plot_curves(runs, args.output, args.window)}")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     import gc
     from pathlib import Path
@@ -476,6 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)
     train.set_defaults(func=_train)
+
+    curves = sub.add_parser("train-curves", help="training runs' CE and tau against step, as one PNG")
+    curves.add_argument("--run", action="append", required=True, help="NAME=DIRECTORY of a run (repeat)")
+    curves.add_argument("--window", type=int, default=50, help="steps each point averages over")
+    curves.add_argument("--output", default="training-curves.png")
+    curves.set_defaults(func=_train_curves)
 
     ev = sub.add_parser("eval", help="acceptance (tau, per position, calibration) of drafters on eval sets")
     ev.add_argument("--model", default=DEFAULT_MODEL, help="the target")

@@ -12,6 +12,7 @@ from specserve.models.loader import load_model
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
 from specserve.spec.deepspec.config import new_draft_config
 from specserve.train.anchors import make_blocks, position_weights, sample_anchors
+from specserve.train.curves import moving_average
 from specserve.train.forward import dspark_training_forward, target_features, target_logits
 from specserve.train.losses import dspark_loss
 from specserve.train.trainer import Sample, TrainConfig, Trainer, learning_rate
@@ -437,6 +438,7 @@ def test_data_cache_train_pipeline_gives_a_drafter_the_engine_serves(tmp_path):
     assert main([*argv, "--mask-token-id", "3", "--num-anchors", "8", "--markov-rank", "8"]) == 0  # resumes
     assert [json.loads(row)["step"] for row in log.read_text().splitlines()] == [1, 2, 3]
     assert json.loads((drafter / "config.json").read_text())["intermediate_size"] == 32  # a narrower MLP
+    assert (drafter / "metrics.png").is_file()  # the run's curves, redrawn at each checkpoint
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLM(model, max_model_len=128).generate(["abc"], params)[0].outputs[0].token_ids
     llm = LLM(model, max_model_len=128, speculative_config={"method": "dspark", "model": str(drafter)})
@@ -469,3 +471,32 @@ def test_eval_reports_tau_survival_and_calibration_per_dataset(tmp_path):
         assert r["tau"] >= 1 and all(0 <= s <= 1 for s in r["prefix_survival"])
     assert len(results[0]["ece"]) == 4 and results[2]["ece"] == []  # only DSpark has a confidence head
     assert (tmp_path / "out" / "acceptance.png").is_file()
+
+
+def test_moving_average_of_a_window_of_steps():
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 3) == [1.0, 1.5, 2.0, 3.0]
+    assert moving_average([5.0, 1.0], 1) == [5.0, 1.0]
+
+
+def test_train_curves_plots_runs_side_by_side_and_refuses_what_is_not_a_log(tmp_path, capsys):
+    import json
+
+    from specserve.cli import main
+
+    for name, taus in (("short", [1.0, 1.2]), ("long", [1.0, 1.2, 1.4, 1.6])):
+        (tmp_path / name).mkdir()
+        rows = [{"step": i + 1, "ce": 5.0 - i, "tau": t} for i, t in enumerate(taus)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
+    png = tmp_path / "curves.png"
+    runs = ["--run", f"short={tmp_path / 'short'}", "--run", f"long={tmp_path / 'long' / 'metrics.jsonl'}"]
+    assert main(["train-curves", *runs, "--window", "2", "--output", str(png)]) == 0
+    lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert png.is_file()
+    # step, CE and tau of the last window of 2 steps (the rows were logged out of order)
+    assert lines["short"] == ["2", "4.500", "1.100"] and lines["long"] == ["4", "2.500", "1.500"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    for bad in ([f"x={tmp_path / 'bad'}"], [f"x={tmp_path / 'missing'}"], ["no-name"]):
+        assert main(["train-curves", "--run", bad[0], "--output", str(png)]) == 2
+        assert "error:" in capsys.readouterr().err

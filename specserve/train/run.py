@@ -13,8 +13,11 @@ from specserve.models.loader import load_model
 from specserve.models.registry import text_config_of
 from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
 from specserve.spec.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
+from specserve.train.curves import plot_curves, read_curve
 from specserve.train.target_cache import TargetCache
 from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics, truncate_metrics
+
+CURVE_WINDOW = 50  # steps the plotted curves average over (at most a tenth of the run)
 
 
 def training_samples(cache: TargetCache, num_samples: int | None) -> Sequence[Sample]:
@@ -99,4 +102,6 @@ def train_drafter(
             bar.update(1)
             if trainer.step_index % checkpoint_every == 0 or trainer.step_index == train_config.total_steps:
                 trainer.save(output)
+                window = max(1, min(CURVE_WINDOW, train_config.total_steps // 10))
+                plot_curves([read_curve(output.name, log, window)], output / "metrics.png", window)
     return output
