@@ -5,8 +5,9 @@
 #
 #   recipes/local-drafters.sh                 # everything (several CPU hours on 2 cores)
 #   STAGES="data cache" recipes/local-drafters.sh
-#   STEPS=3000 INTERMEDIATE=2048 SUFFIX=-long SMALL_BUDGET=0 STAGES="train calibrate eval bench" \
-#     recipes/local-drafters.sh              # a 10x budget beside the first (drafters dspark-long, dflash-long)
+#   STEPS=3000 INTERMEDIATE=2048 SUFFIX=-long SMALL_BUDGET=0 BASELINES=0 \
+#     STAGES="train calibrate eval bench" recipes/local-drafters.sh
+#                                             # a 10x budget beside the first (drafters dspark-long, dflash-long)
 #
 # Stages: data (the target answers code prompts), cache (target features), train (dspark, dflash and, with
 # SMALL_BUDGET, a dspark on a quarter of the data to show how tau grows with data; then every run's
@@ -37,6 +38,7 @@ MARKOV_RANK=${MARKOV_RANK:-64}     # W2 [V, r] is read once per drafted token: r
 INTERMEDIATE=${INTERMEDIATE:-}     # the draft MLP's width (default: the target's); 2048 saves a fifth of a step
 SUFFIX=${SUFFIX:-}                 # drafter directories are dspark$SUFFIX and dflash$SUFFIX
 SMALL_BUDGET=${SMALL_BUDGET:-1}
+BASELINES=${BASELINES:-1}          # eval and bench draft_model and ngram too (0: a second budget's run)
 EVAL_PROMPTS=${EVAL_PROMPTS:-10}   # per dataset
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 STAGES=${STAGES:-data cache train calibrate eval bench}
@@ -98,20 +100,23 @@ fi
 DATASETS="$EVAL/humaneval.jsonl,$EVAL/mbpp.jsonl,$EVAL/gsm8k.jsonl,$EVAL/mt-bench.jsonl"
 if has_stage eval; then
   extra=()
-  [[ $SMALL_BUDGET == 1 ]] && extra=(--drafter "$DSPARK-quarter=$(drafter dspark "$DSPARK-quarter")")
+  [[ $SMALL_BUDGET == 1 ]] && extra+=(--drafter "$DSPARK-quarter=$(drafter dspark "$DSPARK-quarter")")
+  [[ $BASELINES == 1 ]] && extra+=(
+    --drafter "draft_model={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}"
+    --drafter 'ngram={"method": "ngram", "num_speculative_tokens": 5}')
   "$SPECSERVE" eval --model "$TARGET" --datasets "$DATASETS" --num-prompts "$EVAL_PROMPTS" \
     --max-tokens "$EVAL_TOKENS" --output "$WORK/eval$SUFFIX" \
-    --drafter "$DSPARK=$(drafter dspark "$DSPARK")" --drafter "$DFLASH=$(drafter dflash "$DFLASH")" "${extra[@]}" \
-    --drafter "draft_model={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}" \
-    --drafter 'ngram={"method": "ngram", "num_speculative_tokens": 5}'
+    --drafter "$DSPARK=$(drafter dspark "$DSPARK")" --drafter "$DFLASH=$(drafter dflash "$DFLASH")" "${extra[@]}"
 fi
 
 if has_stage bench; then
+  extra=()
+  [[ $BASELINES == 1 ]] && extra+=(
+    --drafter "draft_model k5={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}"
+    --drafter 'ngram k5={"method": "ngram", "num_speculative_tokens": 5}')
   "$SPECSERVE" bench spec --model "$TARGET" --prompts "$EVAL/humaneval.jsonl" --num-prompts "$EVAL_PROMPTS" \
     --new-tokens "$EVAL_TOKENS" --no-transformers \
     --drafter "$DSPARK=$(drafter dspark "$DSPARK")" \
     --drafter "$DSPARK scheduled=$(drafter dspark "$DSPARK" '"verify_policy": "dspark"')" \
-    --drafter "$DFLASH=$(drafter dflash "$DFLASH")" \
-    --drafter "draft_model k5={\"method\": \"draft_model\", \"model\": \"$DRAFT_MODEL\", \"num_speculative_tokens\": 5}" \
-    --drafter 'ngram k5={"method": "ngram", "num_speculative_tokens": 5}' | tee "$WORK/bench-humaneval$SUFFIX.txt"
+    --drafter "$DFLASH=$(drafter dflash "$DFLASH")" "${extra[@]}" | tee "$WORK/bench-humaneval$SUFFIX.txt"
 fi
