@@ -105,7 +105,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
         prompt_files=[Path(p) for p in args.prompts.split(",")],
         num_prompts=args.num_prompts,
         new_tokens=args.new_tokens,
-        configs=_named_configs(args.drafter) or default_configs(args.draft_model, args.ks),
+        configs=_named(args.drafter) or default_configs(args.draft_model, args.ks),
         assistant=None if args.no_transformers else args.draft_model,
     )
     return 0
@@ -180,15 +180,15 @@ def _bench_sweep(args: argparse.Namespace) -> int:
     return run_sweep(load_sweep_config(Path(args.config), output_dir), report_only=args.report_only)
 
 
-def _named_configs(items: list[str]) -> list[tuple[str, str]]:
-    """`--drafter NAME=JSON` values -> (name, speculative config JSON)."""
-    configs = []
+def _named(items: list[str], option: str = "--drafter", value: str = "JSON") -> list[tuple[str, str]]:
+    """`option NAME=VALUE` values -> (name, value)."""
+    pairs = []
     for item in items:
-        name, sep, config = item.partition("=")
+        name, sep, rest = item.partition("=")
         if not sep:
-            raise SpecserveError(f"--drafter takes NAME=JSON, got {item!r}")
-        configs.append((name, config))
-    return configs
+            raise SpecserveError(f"{option} takes NAME={value}, got {item!r}")
+        pairs.append((name, rest))
+    return pairs
 
 
 def _prompts_from(files: str, limit: int) -> list[str]:
@@ -343,12 +343,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_curves(args: argparse.Namespace) -> int:
     from specserve.train.curves import plot_curves, read_curve, summary
 
-    runs = []
-    for item in args.run:
-        name, sep, directory = item.partition("=")
-        if not sep or not name or not directory:
-            raise SpecserveError(f"--run takes NAME=DIRECTORY, got {item!r}")
-        runs.append(read_curve(name, directory, args.window))
+    runs = [read_curve(name, run, args.window) for name, run in _named(args.run, "--run", "DIRECTORY")]
     print(summary(runs))
     print(f"wrote {plot_curves(runs, args.output, args.window)}")
     return 0
@@ -361,7 +356,7 @@ def _eval(args: argparse.Namespace) -> int:
     from specserve.bench.acceptance import evaluate, format_table, save_results
     from specserve.llm import LLM
 
-    drafters = _named_configs(args.drafter)
+    drafters = _named(args.drafter)
     files = [Path(f) for f in args.datasets.split(",")]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     results = []
