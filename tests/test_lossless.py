@@ -260,5 +260,6 @@ def test_verifying_drafts_by_their_own_probability_fails(models, drafters, monke
 def test_enumeration_is_a_distribution(models):
     reference = models[0]
     exact = exact_joint(reference, CASES["temperature_0.7_top_p_top_k"], 2)
-    assert abs(sum(exact.values()) - 1.0) < 1e-9
+    # Each row of target_probs is an fp32 distribution (sums to 1 within a few 1e-8, by the CPU's order).
+    assert abs(sum(exact.values()) - 1.0) < 1e-6
     assert len(exact) == V**2 and set(exact) == set(itertools.product(range(V), repeat=2))
