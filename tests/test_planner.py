@@ -200,6 +200,23 @@ def test_a_serial_drafter_drafts_at_all_only_where_it_can_pay():
     assert DSparkPlanner(cheap, 4, rarely).keep_drafting(nothing_yet, 2) == [False, False]
 
 
+def test_a_backlog_is_caught_up_only_where_the_tokens_left_repay_it():
+    """Verification is free, a step takes 1 s and a round of 4 drafts 0.4 s: certain drafts cut a token's
+    engine time from 1 s to 1.4 / 5 = 0.28 s. Feeding a backlog 195 tokens beyond a round's usual 5 takes
+    19.5 s (0.1 s a token): it pays with 100 tokens left (72 s saved), not with 20 (14.4 s), nor after
+    rounds whose drafts hardly survived. A usual feed always pays, and a request the catch-up rules out
+    does not draft."""
+    profile = CostProfile([1, 64], [1.0, 1.0], draft_requests=[1, 64], draft_s=[0.4, 0.4], catch_up_s=0.1)
+    planner = DSparkPlanner(profile, 4)
+    assert planner.catch_up([200], [100], 1) == [True]
+    assert planner.catch_up([200], [20], 1) == [False]
+    assert planner.catch_up([5], [1], 1) == [True]
+    nothing_yet = [proposal_with([]), proposal_with([])]
+    assert planner.keep_drafting(nothing_yet, 2, may_draft=[False, True]) == [False, True]
+    planner.plan([proposal_with([0.1] * 4)], 1)
+    assert planner.catch_up([200, 5], [100, 100], 1) == [False, True]
+
+
 def test_a_round_drafter_drafts_only_while_recent_rounds_pay():
     """A round costs 0.4 target steps and verification is free: rounds whose drafts survive 90% of the
     time pay, 10% do not. Without a round yet the planner drafts; after poor rounds it skips, yet drafts
@@ -258,6 +275,23 @@ def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_p
     assert profile.batch_tokens[0] == 1 and profile.batch_tokens[-1] == 2048
     assert all(t > 0 for t in profile.step_s) and len(profile.draft_s) == len(profile.draft_requests)
     assert out.with_suffix(".png").is_file() and "saved" in capsys.readouterr().out
+
+
+def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeypatch):
+    """Fake forwards on a fake clock: the first two at B = 1 are slow (weights paged in); the first is
+    not timed and the median of three drops the second. B = 2 measured slower than B = 4 (disturbance)
+    and takes B = 4's time: a larger batch never takes less."""
+    from specserve.spec import cost_model
+
+    clock = [0.0]
+    seconds = {1: [9.0, 9.0, 0.25, 0.25], 2: [0.4] * 3, 4: [0.3] * 3, 8: [0.6] * 3}
+
+    def forward(num_tokens, context):
+        clock[0] += seconds[num_tokens].pop(0)
+
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
+    assert cost_model.measure_target(forward, [1, 2, 4, 8]) == pytest.approx([0.25, 0.3, 0.3, 0.6])
+    assert all(not left for left in seconds.values())
 
 
 def test_engine_start_measures_the_cost_profile_once_and_caches_it(tiny_model_dir, tmp_path, monkeypatch):

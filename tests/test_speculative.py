@@ -231,12 +231,12 @@ def test_a_draft_model_catches_up_after_steps_without_drafts(
     decide = ScheduledPlanner.keep_drafting
     calls = {"first": 0}
 
-    def every_other_step(self, proposals, base_tokens):
+    def every_other_step(self, proposals, base_tokens, may_draft=None):
         if all(not p.token_ids for p in proposals):
             calls["first"] += 1
             if calls["first"] % 2:
                 return [False] * len(proposals)
-        return decide(self, proposals, base_tokens)
+        return decide(self, proposals, base_tokens, may_draft)
 
     monkeypatch.setattr(ScheduledPlanner, "keep_drafting", every_other_step)
     prompts, expected = reference
@@ -257,9 +257,9 @@ def test_the_planner_weighs_drafts_against_decode_tokens_only(
     asked = []
     decide = ScheduledPlanner.keep_drafting
 
-    def record(self, proposals, base_tokens):
+    def record(self, proposals, base_tokens, may_draft=None):
         asked.append((len(proposals), base_tokens))
-        return decide(self, proposals, base_tokens)
+        return decide(self, proposals, base_tokens, may_draft)
 
     monkeypatch.setattr(ScheduledPlanner, "keep_drafting", record)
     spec = SPEC_CONFIGS["draft_model_scheduled"](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
@@ -267,6 +267,37 @@ def test_the_planner_weighs_drafts_against_decode_tokens_only(
     prompts = [list(range(3, 10)), list(range(3, 100)), list(range(5, 150))]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert asked and all(base == requests for requests, base in asked)
+
+
+def test_the_planner_weighs_each_requests_backlog_against_the_tokens_it_has_left(
+    target_dir, tiny_model_dir, cheap_drafting, monkeypatch
+):
+    """A draft model is asked about a new request's backlog (its prompt and first token) with the tokens
+    left counting down from max_tokens; after a verified round the backlog is at most that round's
+    tokens. A request whose catch-up does not pay never drafts and decodes plainly, exactly."""
+    asked = []
+    decide = ScheduledPlanner.catch_up
+
+    def record(self, backlogs, remaining, base_tokens):
+        asked.append((backlogs[0], remaining[0]))
+        return decide(self, backlogs, remaining, base_tokens)
+
+    monkeypatch.setattr(ScheduledPlanner, "catch_up", record)
+    spec = SPEC_CONFIGS["draft_model_scheduled"](lambda arch: str(tiny_model_dir(arch)), cheap_drafting)
+    llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = LLM(target_dir, max_model_len=256).generate([prompt], params)[0].outputs[0].token_ids
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    k = llm.engine.num_draft_tokens
+    assert asked[0] == (len(prompt) + 1, 19) and llm.engine.spec_stats.num_drafts > 0
+    assert len(asked) > 1 and all(1 <= backlog <= k + 1 for backlog, _ in asked[1:])
+    assert [left for _, left in asked] == sorted({left for _, left in asked}, reverse=True)
+
+    monkeypatch.setattr(ScheduledPlanner, "catch_up", lambda self, backlogs, *_: [False] * len(backlogs))
+    llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    assert llm.engine.spec_stats.num_drafts == 0 and llm.engine.drafter.states == {}
 
 
 @pytest.mark.parametrize("name", ["dspark_scheduled", "eagle3"])

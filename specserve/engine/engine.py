@@ -277,19 +277,25 @@ class LLMEngine:
         # same step are work done anyway: counted as steps that emit nothing, they made any step with a
         # prefill look slow, and drafting (a fixed cost per round) look cheap beside it.
         base_tokens = len(decoding)
-        if not self.drafter.drafts_serially and not self.planner.draft_round(len(decoding), base_tokens):
+        remaining = [
+            min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+            for seq in decoding
+        ]
+        may_draft = self.planner.catch_up([self.drafter.backlog(s) for s in decoding], remaining, base_tokens)
+        if not any(may_draft) or (
+            not self.drafter.drafts_serially and not self.planner.draft_round(len(decoding), base_tokens)
+        ):
             # A plain step. A drafter conditioned on the target's features keeps collecting them
             # (`observe`) and takes them all into its context at its next round.
             self._planned = self.planner.plan([DraftProposal([]) for _ in decoding], base_tokens)
             return
-        keep_drafting = functools.partial(self.planner.keep_drafting, base_tokens=base_tokens)
+        keep_drafting = functools.partial(
+            self.planner.keep_drafting, base_tokens=base_tokens, may_draft=may_draft
+        )
         proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)
         self.spec_stats.drafting_s += time.perf_counter() - start
-        capped = []
-        for seq, proposal in zip(decoding, proposals):
-            # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
-            room = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-            capped.append(proposal.truncate(max(0, room)))
+        # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
+        capped = [proposal.truncate(max(0, left - 1)) for proposal, left in zip(proposals, remaining)]
         self._planned = self.planner.plan(capped, base_tokens)
         for seq, proposal, length in zip(decoding, capped, self._planned.lengths):
             proposal = proposal.truncate(length)

@@ -1,5 +1,6 @@
 """The engine's cost table: seconds per target step by flat-batch token count B (SPS(B) = 1 / T(B)) and
-seconds per drafting round by number of requests, measured on this machine, interpolated, cached on disk.
+seconds per drafting round by number of requests, measured on this machine, interpolated, cached on disk;
+and what a drafter's backlog costs per token (a new prompt, or the tokens of steps that drafted nothing).
 
 The verify planners read it to decide how many drafts are worth verifying: verification is nearly free
 while T(B) is flat (memory-bound decode) and stops paying as T(B) grows. Measurements run at a realistic
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -38,6 +40,7 @@ class CostProfile:
     step_s: list[float]  # target forward seconds at each B
     draft_requests: list[int] = field(default_factory=lambda: [1])
     draft_s: list[float] = field(default_factory=lambda: [0.0])  # drafting round seconds at each R
+    catch_up_s: float = 0.0  # drafter seconds per backlog token (fed beyond a round's usual few)
     meta: dict = field(default_factory=dict)  # what it was measured on
 
     def step_time(self, num_tokens: float) -> float:
@@ -104,7 +107,12 @@ def cache_path(key: dict) -> Path:
 def measure_target(
     forward: Callable[[int, int], None], grid: list[int], repeats: int = 3, progress=None
 ) -> list[float]:
-    """Median seconds of `forward(num_tokens, context)` at each B of the grid (progress: a tqdm or None)."""
+    """Median seconds of `forward(num_tokens, context)` at each B of the grid (progress: a tqdm or None),
+    after an untimed forward (the first ones page the weights in and warm the allocator), made
+    non-increasing from the right: a larger batch never takes less time, and what makes a small B look
+    slower than a larger one is disturbance (measured once: T(1) 0.42 s against T(4) 0.32 s, which made
+    verifying extra drafts look better than free)."""
+    forward(grid[0], DEFAULT_CONTEXT)
     times = []
     for b in grid:
         samples = []
@@ -115,7 +123,7 @@ def measure_target(
         times.append(sorted(samples)[len(samples) // 2])
         if progress is not None:
             progress.update(1)
-    return times
+    return list(reversed(list(itertools.accumulate(reversed(times), min))))
 
 
 def engine_key(engine) -> dict:
@@ -129,6 +137,7 @@ def engine_key(engine) -> dict:
         "draft_tokens": engine.num_draft_tokens,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "context": DEFAULT_CONTEXT,
+        "schema": 2,  # 2: catch_up_s, warm-up, T(B) non-decreasing
     }
 
 
@@ -146,13 +155,15 @@ def fake_requests(num_requests: int, context: int, vocab_size: int) -> list:
     ]
 
 
-def prime_drafter(drafter, seqs: list, num_tokens: int) -> None:
+def prime_drafter(drafter, seqs: list, num_tokens: int) -> float:
     """Hand a drafter its requests' prompts (random target features for hidden-state drafters) and run
-    the first, untimed round, which also processes those prompts."""
+    the first round, which also processes those prompts; its seconds."""
     if drafter.capture_layers:
         for seq in seqs:
             drafter.observe(seq, 0, torch.randn(seq.num_tokens - 1, drafter.model.fc.in_features))
+    begin = time.perf_counter()
     drafter.propose(seqs, num_tokens)
+    return time.perf_counter() - begin
 
 
 def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
@@ -192,14 +203,17 @@ def profile_engine(engine, num_tokens: int, repeats: int = 3) -> CostProfile:
             step_s = measure_target(forward, grid, repeats, bar)
         finally:
             engine.block_manager.free(scratch)
-        draft_s = []
+        draft_s, catch_up_s = [], []
         for r in request_grid:
             seqs = fake_requests(r, context, engine.vocab_size)
             drafter = engine.drafter
             k = engine.num_draft_tokens
-            prime_drafter(drafter, seqs, k)
+            primed_s = prime_drafter(drafter, seqs, k)
             draft_s.append(sorted(time_draft_round(drafter, seqs, k) for _ in range(repeats))[repeats // 2])
+            # The first round fed whole prompts where the timed ones feed ACCEPTED_PER_ROUND tokens each.
+            catch_up_s.append((primed_s - draft_s[-1]) / (r * (context - ACCEPTED_PER_ROUND)))
             for seq in seqs:
                 drafter.release(seq)
             bar.update(1)
-    return CostProfile(grid, step_s, request_grid, draft_s, meta={"context": context})
+    catch_up = max(sorted(catch_up_s)[len(catch_up_s) // 2], 0.0)
+    return CostProfile(grid, step_s, request_grid, draft_s, catch_up, meta={"context": context})

@@ -72,6 +72,12 @@ class Drafter:
         step which sequences draft on; drafters that draft a block at once may ignore it."""
         raise NotImplementedError
 
+    def backlog(self, seq: Sequence) -> int:
+        """Tokens of `seq` the next draft step would feed the drafter before drafting: a round's few
+        after a verified one, its whole prompt for a new request, more after steps that drafted nothing.
+        Drafters whose catch-up costs next to nothing (they read the target's features) report 0."""
+        return 0
+
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """Target features [n, n_f * H] of `seq`'s positions start..start+n-1 (only with capture_layers)."""
 

@@ -124,12 +124,20 @@ class DraftModelDrafter(Drafter):
             for d, rows, c in zip(drafted, q_rows, confidences)
         ]
 
+    def backlog(self, seq: Sequence) -> int:
+        state = self.states.get(seq.request_id)
+        return seq.num_tokens - self._kept(state, seq) if state is not None else seq.num_tokens
+
+    @staticmethod
+    def _kept(state: DraftState, seq: Sequence) -> int:
+        """Cached tokens still a prefix of the sequence; the newest token is always fed again, so that
+        its logits are computed this round."""
+        return min(common_prefix_len(state.fed, seq.all_token_ids), seq.num_tokens - 1)
+
     def _sync(self, seq: Sequence) -> DraftState:
         """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""
         state = self.states.setdefault(seq.request_id, DraftState())
-        keep = common_prefix_len(state.fed, seq.all_token_ids)
-        # The newest token must be fed so that its logits are computed this round.
-        keep = min(keep, seq.num_tokens - 1)
+        keep = self._kept(state, seq)
         del state.fed[keep:]
         self.blocks.shrink(state, keep)
         return state
