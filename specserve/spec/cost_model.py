@@ -108,10 +108,10 @@ def measure_target(
     forward: Callable[[int, int], None], grid: list[int], repeats: int = 3, progress=None
 ) -> list[float]:
     """Median seconds of `forward(num_tokens, context)` at each B of the grid (progress: a tqdm or None),
-    after an untimed forward (the first ones page the weights in and warm the allocator), made
-    non-increasing from the right: a larger batch never takes less time, and what makes a small B look
-    slower than a larger one is disturbance (measured once: T(1) 0.42 s against T(4) 0.32 s, which made
-    verifying extra drafts look better than free)."""
+    after an untimed forward (the first ones page the weights in and warm the allocator). Each B's time
+    is capped at every larger B's: a larger batch never takes less time, and what makes a small B look
+    slower is disturbance (measured once: T(1) 0.42 s against T(4) 0.32 s, which made verifying extra
+    drafts look better than free)."""
     forward(grid[0], DEFAULT_CONTEXT)
     times = []
     for b in grid:
