@@ -79,7 +79,7 @@ def convex_profile(g: torch.Generator, max_tokens: int) -> CostProfile:
 def brute_force_best(survivals: list[torch.Tensor], base: int, profile: CostProfile) -> float:
     best = 0.0
     for lengths in itertools.product(*[range(len(s) + 1) for s in survivals]):
-        expected = len(survivals) + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))
+        expected = base + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))
         best = max(best, expected / profile.step_time(base + sum(lengths)))
     return best
 
@@ -95,7 +95,7 @@ def test_algorithm_1_matches_brute_force(seed):
     base = num_requests + int(torch.randint(0, 3, (1,), generator=g))
     profile = convex_profile(g, base + sum(len(s) for s in survivals))
     lengths = greedy_admission(survivals, base, profile).lengths
-    value = (num_requests + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))) / profile.step_time(
+    value = (base + sum(float(s[:n].sum()) for s, n in zip(survivals, lengths))) / profile.step_time(
         base + sum(lengths)
     )
     assert value == pytest.approx(brute_force_best(survivals, base, profile), rel=1e-12)
@@ -215,6 +215,24 @@ def test_a_backlog_is_caught_up_only_where_the_tokens_left_repay_it():
     assert planner.keep_drafting(nothing_yet, 2, may_draft=[False, True]) == [False, True]
     planner.plan([proposal_with([0.1] * 4)], 1)
     assert planner.catch_up([200, 5], [100, 100], 1) == [False, True]
+
+
+def test_requests_queued_behind_a_lone_one_make_its_drafting_too_dear():
+    """A plain step takes 0.3 s alone and 2.7 s with 64 requests, a draft step 0.13 s. Alone, a certain
+    draft pays; with 63 requests queued behind it (priced as decoding in the step), each second of its
+    drafting delays them all: engine time is worth 64 / 2.7 tokens/s, not 1 / 0.3, and neither a draft,
+    nor the catch-up of a prompt, nor a whole round pays any more."""
+    profile = CostProfile(
+        [1, 64, 128], [0.3, 2.7, 5.1], draft_requests=[1, 64], draft_s=[0.9, 0.9], catch_up_s=0.003
+    )
+    planner = DSparkPlanner(profile, 7)
+    alone, queued = 1, 64
+    assert planner.keep_drafting([proposal_with([])], alone) == [True]
+    assert planner.keep_drafting([proposal_with([])], queued) == [False]
+    assert planner.catch_up([200], [100], alone) == [True]
+    assert planner.catch_up([200], [100], queued) == [False]
+    planner.plan([proposal_with([0.9] * 7)], alone)  # a round drafter's recent survival
+    assert planner.draft_round(1, alone) and not planner.draft_round(1, queued)
 
 
 def test_drafting_is_priced_at_the_round_length_a_serial_drafter_stops_at():

@@ -248,17 +248,18 @@ def test_a_draft_model_catches_up_after_steps_without_drafts(
     assert stats.num_drafts > 0 and calls["first"] >= 4  # steps with and without drafts
 
 
-def test_the_planner_weighs_drafts_against_decode_tokens_only(
+def test_the_planner_prices_queued_requests_as_decoding_ones(
     target_dir, reference, tiny_model_dir, cheap_drafting, monkeypatch
 ):
     """Long prompts arrive while others decode (chunked prefill rides in the same steps): the planner is
-    still asked with the decode tokens alone, never with the prompt chunks (which would make drafting
-    look cheap beside them)."""
+    asked with one plain token per request the engine holds, decoding, in prefill or waiting (what a
+    second of drafting delays), never with the prompt chunks (which would make drafting look cheap)."""
     asked = []
     decide = ScheduledPlanner.keep_drafting
 
     def record(self, proposals, base_tokens, may_draft=None):
-        asked.append((len(proposals), base_tokens))
+        scheduler = llm.engine.scheduler
+        asked.append((len(proposals), len(scheduler.running) + len(scheduler.waiting), base_tokens))
         return decide(self, proposals, base_tokens, may_draft)
 
     monkeypatch.setattr(ScheduledPlanner, "keep_drafting", record)
@@ -266,7 +267,8 @@ def test_the_planner_weighs_drafts_against_decode_tokens_only(
     llm = LLM(target_dir, max_model_len=256, max_num_batched_tokens=32, speculative_config=spec)
     prompts = [list(range(3, 10)), list(range(3, 100)), list(range(5, 150))]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    assert asked and all(base == requests for requests, base in asked)
+    assert asked and all(base == held for _, held, base in asked)
+    assert any(decoding < base for decoding, _, base in asked)  # steps with prompts still in prefill
 
 
 def test_the_planner_weighs_each_requests_backlog_against_the_tokens_it_has_left(

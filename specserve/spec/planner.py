@@ -30,6 +30,10 @@ whole round at once (DSpark's block pass, EAGLE-3, n-gram) ask once, before it, 
 all (`draft_round`), from the survival recent rounds predicted: past information only. A draft model
 that is behind (a new prompt, steps that drafted nothing) drafts for a request only where catching up
 pays over the tokens the request has left (`catch_up`), decided before anything is drafted.
+
+Every decision weighs a step's time against the tokens it emits at the engine's load: the engine counts
+each request still in prefill or waiting as one more plain token of the step (`base_tokens`), so that
+while requests queue, engine time is worth what the whole load would make of it.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ def ranked_candidates(survivals: list[torch.Tensor]) -> list[tuple[float, int, i
 
 class VerifyPlanner:
     def plan(self, proposals: list[DraftProposal], base_tokens: int) -> Plan:
-        """`base_tokens`: tokens the step carries besides drafts (anchors, prefill chunks)."""
+        """`base_tokens`: the step's plain tokens, each emitting one: the decoding requests' anchors, and
+        one for each queued request the engine prices as if it decoded in this step."""
         raise NotImplementedError
 
     def keep_drafting(
@@ -114,11 +119,12 @@ class Admission:
 def greedy_admission(
     survivals: list[torch.Tensor], base_tokens: int, profile: CostProfile, draft_s: float | None = None
 ) -> Admission:
-    """Algorithm 1 with causal early stopping. `draft_s`: the step's drafting time (already spent, part of
-    the step time); by default the profiled round of the full draft length."""
+    """Algorithm 1 with causal early stopping. `base_tokens` (at least one per request) emit one token each;
+    `draft_s`: the step's drafting time (already spent, part of the step time); by default the profiled
+    round of the full draft length."""
     if draft_s is None:
         draft_s = profile.draft_time(len(survivals))
-    tokens, expected = base_tokens, float(len(survivals))  # each request emits at least one token
+    tokens, expected = base_tokens, float(base_tokens)
     best = expected / (profile.step_time(tokens) + draft_s)
     lengths = [0] * len(survivals)
     for a, j, r in ranked_candidates(survivals):
@@ -171,7 +177,7 @@ class ScheduledPlanner(VerifyPlanner):
             return True
         expected = [self.recent_survival] * num_requests
         drafted = greedy_admission(expected, base_tokens, self.profile).throughput
-        return drafted > num_requests / self.profile.step_time(base_tokens)
+        return drafted > base_tokens / self.profile.step_time(base_tokens)
 
     def draft_round(self, num_requests, base_tokens):
         return not self.skip_or_probe(not self.round_pays(num_requests, base_tokens))
@@ -195,9 +201,8 @@ class ScheduledPlanner(VerifyPlanner):
         else:
             first = self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
             expected = torch.full((self.num_tokens,), first, dtype=torch.float64).cumprod(0)
-        n = len(backlogs)
-        plain_s = self.profile.step_time(base_tokens) / n  # engine seconds per emitted token
-        drafted_s = 1 / self.drafted_throughput(expected, n, base_tokens)
+        plain_s = self.profile.step_time(base_tokens) / base_tokens  # engine seconds per emitted token
+        drafted_s = 1 / self.drafted_throughput(expected, len(backlogs), base_tokens)
         saving = max(plain_s - drafted_s, 0.0)
         return [e <= 0 or left * saving > e * self.profile.catch_up_s for e, left in zip(extra, remaining)]
 
