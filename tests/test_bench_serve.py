@@ -248,19 +248,21 @@ def test_terminating_a_sweep_stops_its_server(chat_model_dir, tmp_path):
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(config))
-    sweep = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "bench", "sweep", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    sweep_log = tmp_path / "sweep.log"
+    with open(sweep_log, "w") as sweep_output:
+        sweep = subprocess.Popen(
+            [sys.executable, "-m", "specserve.cli", "bench", "sweep", "--config", str(path)],
+            stdout=sweep_output,
+            stderr=subprocess.STDOUT,
+        )
     log = out / "server-none.log"
     pattern = r"completed: 16 prompt tokens"  # the benchmark is running against the server
     wait_until(lambda: log.exists() and re.search(pattern, log.read_text()), 120, "a completed request")
     port = int(re.search(r"127\.0\.0\.1:(\d+)", log.read_text())[1])
     sweep.send_signal(signal.SIGTERM)
-    assert sweep.wait(90) == 130
+    assert sweep.wait(90) == 130, f"sweep:\n{sweep_log.read_text()}\nserver:\n{log.read_text()[-3000:]}"
     with socket.socket() as sock:  # the server went with the sweep
-        assert sock.connect_ex(("127.0.0.1", port)) != 0
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, log.read_text()[-3000:]
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
