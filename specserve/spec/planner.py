@@ -177,7 +177,7 @@ class ScheduledPlanner(VerifyPlanner):
             return True
         expected = [self.recent_survival] * num_requests
         drafted = greedy_admission(expected, base_tokens, self.profile).throughput
-        return drafted > base_tokens / self.profile.step_time(base_tokens)
+        return drafted > self.plain_throughput(base_tokens)
 
     def draft_round(self, num_requests, base_tokens):
         return not self.skip_or_probe(not self.round_pays(num_requests, base_tokens))
@@ -201,10 +201,13 @@ class ScheduledPlanner(VerifyPlanner):
         else:
             first = self.recalibration.first_draft_rate() if self.recalibration is not None else 1.0
             expected = torch.full((self.num_tokens,), first, dtype=torch.float64).cumprod(0)
-        plain_s = self.profile.step_time(base_tokens) / base_tokens  # engine seconds per emitted token
-        drafted_s = 1 / self.drafted_throughput(expected, len(backlogs), base_tokens)
-        saving = max(plain_s - drafted_s, 0.0)
+        drafted = self.drafted_throughput(expected, len(backlogs), base_tokens)
+        saving = max(1 / self.plain_throughput(base_tokens) - 1 / drafted, 0.0)  # engine s per token
         return [e <= 0 or left * saving > e * self.profile.catch_up_s for e, left in zip(extra, remaining)]
+
+    def plain_throughput(self, base_tokens: int) -> float:
+        """Tokens per second of a step that drafts nothing."""
+        return base_tokens / self.profile.step_time(base_tokens)
 
     def drafted_throughput(self, survival: torch.Tensor, num_requests: int, base_tokens: int) -> float:
         """Expected tokens per second of rounds whose drafts survive as `survival` says, at the round
