@@ -254,6 +254,42 @@ def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
             training_samples(cache, bad)
 
 
+def test_an_interrupted_target_cache_resumes_after_its_last_whole_sample(tiny_model_dir, tmp_path):
+    from specserve import SpecserveError
+    from specserve.train.target_cache import CacheInfo, TargetCacheWriter, bytes_per_token, write_target_cache
+
+    _, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=3, seq_len=20)
+    info = CacheInfo(config.target_layer_ids, config.hidden_size, "tiny-qwen3")
+    shard_bytes = 2 * 20 * bytes_per_token(64, 2)  # two samples a shard
+    whole = write_target_cache(tmp_path / "whole", samples, info, shard_bytes, inputs="a")
+
+    def interrupted():
+        yield from samples[:2]
+        raise KeyboardInterrupt
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        write_target_cache(resumed, interrupted(), info, shard_bytes, inputs="a")
+    # killed while writing the third sample: arrays cut off in a shard, part of its record
+    with open(resumed / "shard-00000.bin", "ab") as shard:
+        shard.write(b"\x01" * 50)
+    (resumed / "shard-00001.bin").write_bytes(b"\x01" * 100)
+    with open(resumed / "samples.idx", "ab") as index:
+        index.write(b"\x02" * 30)
+    with pytest.raises(SpecserveError, match="other inputs or settings"):
+        TargetCacheWriter(resumed, info, shard_bytes, inputs="b")
+    with TargetCacheWriter(resumed, info, shard_bytes, inputs="a") as writer:
+        assert writer.num_written == 2
+        writer.add(samples[2])
+        writer.finish()
+    files = sorted(p.name for p in whole.iterdir())
+    assert files == sorted(p.name for p in resumed.iterdir()) and "partial.json" not in files
+    for name in files:
+        assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+    with pytest.raises(SpecserveError, match="is a complete target cache"):
+        write_target_cache(resumed, samples, info, shard_bytes, inputs="a")
+
+
 def _ddp_worker(rank: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 

@@ -5,14 +5,20 @@ Each sample is five arrays written back to back into a shard: input_ids int32 [S
 [S], loss_mask uint8 [S], target_hidden_states bf16 [S, n_f H] (the target_layer_ids outputs, concatenated)
 and target_last_hidden_states bf16 [S, H] (final-normed). `samples.idx` holds one 56-byte little-endian
 record per sample (u64 sample id, u32 shard, u32 length, 5 x u64 byte offsets); `manifest.json` says what
-was cached. Reading memory-maps the shards.
+was cached and marks the cache complete; until then `partial.json` holds the build's settings and a
+fingerprint of its inputs, and an interrupted build resumes after its last whole sample. Reading
+memory-maps the shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import itertools
 import json
+import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from specserve.train.trainer import Sample
 RECORD = struct.Struct("<QII5Q")  # 56 bytes
 MANIFEST_VERSION = 2
 DEFAULT_SHARD_BYTES = 64 << 30
+PARTIAL = "partial.json"  # present while a build is under way: its settings and inputs
 
 
 def bytes_per_token(hidden_size: int, num_layers: int) -> int:
@@ -44,60 +51,129 @@ class CacheInfo:
     extra: dict | None = None  # source files, chat template, max_length... (recorded as given)
 
 
+def _shard_name(shard_id: int) -> str:
+    return f"shard-{shard_id:05d}.bin"
+
+
+class TargetCacheWriter:
+    """Appends samples to a cache directory. A sample is kept once its index record is written (after
+    its arrays): an interrupted build resumes after the last whole sample, cutting off a half-written
+    one. `inputs` fingerprints what the samples are made from, so that a resume never mixes two builds."""
+
+    def __init__(
+        self, directory: str | Path, info: CacheInfo, shard_bytes: int = DEFAULT_SHARD_BYTES, inputs: str = ""
+    ):
+        self.directory, self.info, self.shard_bytes = Path(directory), info, shard_bytes
+        if (self.directory / "manifest.json").exists():
+            raise SpecserveError(f"{self.directory} is a complete target cache: remove it or choose another")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        state = json.loads(json.dumps({"info": dataclasses.asdict(info), "inputs": inputs}))
+        partial = self.directory / PARTIAL
+        resuming = partial.exists()
+        if resuming and json.loads(partial.read_text()) != state:
+            raise SpecserveError(
+                f"{self.directory} holds part of a target cache built from other inputs or settings: "
+                "remove it or choose another"
+            )
+        partial.write_text(json.dumps(state))
+        index_path = self.directory / "samples.idx"
+        index = index_path.read_bytes() if resuming and index_path.exists() else b""
+        self.num_written = len(index) // RECORD.size
+        self.shard_id, self.shard_size, self.shard = 0, 0, None
+        if self.num_written:
+            _, self.shard_id, n, *offsets = RECORD.unpack_from(index, (self.num_written - 1) * RECORD.size)
+            self.shard_size = offsets[-1] + 2 * n * info.hidden_size  # the end of its last_hidden
+        self._cut_after_last_record()
+        self.index = open(index_path, "r+b" if index else "wb")
+        self.index.truncate(self.num_written * RECORD.size)
+        self.index.seek(0, os.SEEK_END)
+
+    def _cut_after_last_record(self) -> None:
+        """Drop what an interrupted build wrote past its last whole sample (or a stale build's shards)."""
+        for path in self.directory.glob("shard-*.bin"):
+            if not self.num_written or path.name > _shard_name(self.shard_id):
+                path.unlink()
+        if self.num_written:
+            os.truncate(self.directory / _shard_name(self.shard_id), self.shard_size)
+
+    def add(self, s: Sample) -> None:
+        n, width = len(s.input_ids), self.info.hidden_size * len(self.info.target_layer_ids)
+        if tuple(s.features.shape) != (n, width) or tuple(s.last_hidden.shape) != (n, self.info.hidden_size):
+            raise SpecserveError(f"sample {self.num_written}: features/hidden shapes do not match the cache")
+        arrays = [
+            s.input_ids.to(torch.int32).numpy().tobytes(),
+            np.ones(n, dtype=np.uint8).tobytes(),
+            s.loss_mask.to(torch.uint8).numpy().tobytes(),
+            _bf16_bytes(s.features),
+            _bf16_bytes(s.last_hidden),
+        ]
+        size = sum(len(a) for a in arrays)
+        if self.shard_size and self.shard_size + size > self.shard_bytes:
+            self._close_shard()
+            self.shard_id, self.shard_size = self.shard_id + 1, 0
+        if self.shard is None:
+            self.shard = open(self.directory / _shard_name(self.shard_id), "ab")
+        offsets = []
+        for a in arrays:
+            offsets.append(self.shard_size)
+            self.shard.write(a)
+            self.shard_size += len(a)
+        self.shard.flush()
+        self.index.write(RECORD.pack(self.num_written, self.shard_id, n, *offsets))
+        self.index.flush()
+        self.num_written += 1
+
+    def finish(self) -> Path:
+        """The manifest, which marks the cache complete."""
+        self.close()
+        info = self.info
+        num_shards = self.shard_id + 1 if self.num_written else 0
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "num_samples": self.num_written,
+            "num_shards": num_shards,
+            "target_layer_ids": list(info.target_layer_ids),
+            "hidden_dtype": "bfloat16",
+            "token_dtype": "int32",
+            "mask_dtype": "uint8",
+            "index_record_size": RECORD.size,
+            "hidden_size": info.hidden_size,
+            "shards": [{"shard_id": i, "file_name": _shard_name(i)} for i in range(num_shards)],
+            "target_model_name_or_path": info.target_model,
+            **(info.extra or {}),
+        }
+        (self.directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        (self.directory / PARTIAL).unlink()
+        return self.directory
+
+    def _close_shard(self) -> None:
+        if self.shard is not None:
+            self.shard.close()
+            self.shard = None
+
+    def close(self) -> None:
+        self._close_shard()
+        self.index.close()
+
+    def __enter__(self) -> TargetCacheWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def write_target_cache(
-    directory: str | Path, samples: Iterable[Sample], info: CacheInfo, shard_bytes: int = DEFAULT_SHARD_BYTES
+    directory: str | Path,
+    samples: Iterable[Sample],
+    info: CacheInfo,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    inputs: str = "",
 ) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    shard_id, shard, shard_size = 0, None, 0
-    shards, records = [], []
-    width = info.hidden_size * len(info.target_layer_ids)
-    try:
-        for sample_id, s in enumerate(samples):
-            n = len(s.input_ids)
-            if tuple(s.features.shape) != (n, width) or tuple(s.last_hidden.shape) != (n, info.hidden_size):
-                raise SpecserveError(f"sample {sample_id}: features/hidden shapes do not match the cache's")
-            arrays = [
-                s.input_ids.to(torch.int32).numpy().tobytes(),
-                np.ones(n, dtype=np.uint8).tobytes(),
-                s.loss_mask.to(torch.uint8).numpy().tobytes(),
-                _bf16_bytes(s.features),
-                _bf16_bytes(s.last_hidden),
-            ]
-            size = sum(len(a) for a in arrays)
-            if shard is None or (shard_size and shard_size + size > shard_bytes):
-                if shard is not None:
-                    shard.close()
-                    shard_id += 1
-                name = f"shard-{shard_id:05d}.bin"
-                shards.append({"shard_id": shard_id, "file_name": name})
-                shard, shard_size = open(directory / name, "wb"), 0
-            offsets = []
-            for a in arrays:
-                offsets.append(shard_size)
-                shard.write(a)
-                shard_size += len(a)
-            records.append(RECORD.pack(sample_id, shard_id, n, *offsets))
-    finally:
-        if shard is not None:
-            shard.close()
-    (directory / "samples.idx").write_bytes(b"".join(records))
-    manifest = {
-        "version": MANIFEST_VERSION,
-        "num_samples": len(records),
-        "num_shards": len(shards),
-        "target_layer_ids": list(info.target_layer_ids),
-        "hidden_dtype": "bfloat16",
-        "token_dtype": "int32",
-        "mask_dtype": "uint8",
-        "index_record_size": RECORD.size,
-        "hidden_size": info.hidden_size,
-        "shards": shards,
-        "target_model_name_or_path": info.target_model,
-        **(info.extra or {}),
-    }
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    return directory
+    """Writes `samples` and the manifest; after an interruption, only the samples not yet written."""
+    with TargetCacheWriter(directory, info, shard_bytes, inputs) as writer:
+        for s in itertools.islice(samples, writer.num_written, None):
+            writer.add(s)
+        return writer.finish()
 
 
 class TargetCache:
@@ -196,12 +272,15 @@ def build_target_cache(
         flush=True,
     )
 
-    def samples() -> Iterator[Sample]:
-        for ids, mask in tqdm(kept, desc="target features"):
-            features, last_hidden = target_features(target, ids, layer_ids)
-            yield Sample(torch.tensor(ids), torch.tensor(mask), features, last_hidden)
-
     info = CacheInfo(
         list(layer_ids), hidden, target_name, {"max_length": max_length, "min_loss_tokens": min_loss_tokens}
     )
-    return write_target_cache(directory, samples(), info)
+    inputs = hashlib.sha256(json.dumps(kept).encode()).hexdigest()
+    with TargetCacheWriter(directory, info, inputs=inputs) as writer:
+        if writer.num_written:
+            print(f"resuming after {writer.num_written} samples already in {directory}", flush=True)
+        done = writer.num_written
+        for ids, mask in tqdm(kept[done:], desc="target features", initial=done, total=len(kept)):
+            features, last_hidden = target_features(target, ids, layer_ids)
+            writer.add(Sample(torch.tensor(ids), torch.tensor(mask), features, last_hidden))
+        return writer.finish()
