@@ -84,9 +84,9 @@ class TargetCacheWriter:
             _, self.shard_id, n, *offsets = RECORD.unpack_from(index, (self.num_written - 1) * RECORD.size)
             self.shard_size = offsets[-1] + 2 * n * info.hidden_size  # the end of its last_hidden
         self._cut_after_last_record()
-        self.index = open(index_path, "r+b" if index else "wb")
-        self.index.truncate(self.num_written * RECORD.size)
-        self.index.seek(0, os.SEEK_END)
+        if index_path.exists():
+            os.truncate(index_path, self.num_written * RECORD.size)
+        self.index = open(index_path, "ab")
 
     def _cut_after_last_record(self) -> None:
         """Drop what an interrupted build wrote past its last whole sample (or a stale build's shards)."""
