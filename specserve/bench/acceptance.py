@@ -35,7 +35,7 @@ def evaluate(llm, drafter: str, dataset: str, prompts: list[str], params: Sampli
     records = VerificationRecords()
     engine.verification_records = records
     try:
-        llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
     finally:
         engine.verification_records = None
     stats = engine.spec_stats

@@ -33,7 +33,7 @@ def calibrate(llm, prompts: list, params: SamplingParams, output_dir: str | Path
     drafter.temperatures = None  # record the raw confidences
     engine.verification_records = records = VerificationRecords()
     try:
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=True)
     finally:
         engine.verification_records = None
     if not records.logits:
