@@ -27,9 +27,9 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 IN_FLIGHT=${IN_FLIGHT:-32}         # requests generated together
 # Optimizer steps of BATCH sequences (the quarter-data drafter: STEPS / 4). A DSpark step of 4 x 32 blocks
 # of 7 takes ~1.5 s here (1.5B target, 1 layer with a 2048-wide MLP, rank 64, the ~6k-token training
-# vocabulary), so 1200 steps (~11 epochs of 448 answers) take ~31 min; DFlash ~22 min.
+# vocabulary), so 1200 steps (~11 epochs of 448 answers) take ~31 min; DFlash ~25 min.
 STEPS=${STEPS:-1200}
-LR=${LR:-2e-3}                     # above DeepSpec's 6e-4: a few hundred steps, not tens of thousands
+LR=${LR:-2e-3}                     # above DeepSpec's 6e-4: a thousand steps, not tens of thousands
 BATCH=${BATCH:-4}
 ANCHORS=${ANCHORS:-32}             # blocks per sequence and step
 LAYERS=${LAYERS:-1}
