@@ -200,7 +200,7 @@ def _prompts_from(files: str, limit: int) -> list[str]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from specserve.spec.calibrate import calibrate, format_report
+    from specserve.spec_decode.calibrate import calibrate, format_report
 
     llm = _llm_from(args)
     prompts = [
@@ -213,7 +213,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from specserve.spec.cost_model import cache_path, engine_key, profile_engine
+    from specserve.spec_decode.cost_model import cache_path, engine_key, profile_engine
 
     llm = _llm_from(args)
     engine = llm.engine
@@ -280,7 +280,7 @@ def _data_target_cache(args: argparse.Namespace) -> int:
 
     from specserve.models.loader import load_model
     from specserve.models.registry import text_config_of
-    from specserve.spec.deepspec.config import default_target_layer_ids
+    from specserve.spec_decode.deepspec.config import default_target_layer_ids
     from specserve.train.target_cache import build_target_cache
 
     target, hf_config, tokenizer = load_model(args.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.calibration import (
+from specserve.spec_decode.calibration import (
     LiveCalibration,
     Recalibration,
     VerificationRecords,
@@ -65,7 +65,7 @@ def test_live_calibration_matches_the_offline_ece():
 
 def test_calibrate_command_writes_temperatures_the_engine_applies(tiny_model_dir, tmp_path):
     from specserve import LLM, SamplingParams
-    from specserve.spec.calibrate import calibrate
+    from specserve.spec_decode.calibrate import calibrate
     from tests.tiny_models import save_tiny_drafter
 
     target = str(tiny_model_dir("qwen3"))

@@ -15,13 +15,13 @@ from specserve import SamplingParams, SpecserveError
 from specserve.config import EngineConfig
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec.deepspec.checkpoint import (
+from specserve.spec_decode.deepspec.checkpoint import (
     build_draft_model,
     init_draft_weights,
     load_draft_checkpoint,
     save_draft_checkpoint,
 )
-from specserve.spec.deepspec.config import (
+from specserve.spec_decode.deepspec.config import (
     DSparkConfig,
     Eagle3Config,
     default_mask_token,
@@ -29,10 +29,10 @@ from specserve.spec.deepspec.config import (
     new_draft_config,
     new_eagle3_config,
 )
-from specserve.spec.deepspec.dspark import DenseDraftBatch, dense_block_batch
-from specserve.spec.drafters import dspark as dspark_drafter
-from specserve.spec.drafters.dspark import DSparkDrafter
-from specserve.spec.drafters.eagle3 import Eagle3Drafter
+from specserve.spec_decode.deepspec.dspark import DenseDraftBatch, dense_block_batch
+from specserve.spec_decode.drafters import dspark as dspark_drafter
+from specserve.spec_decode.drafters.dspark import DSparkDrafter
+from specserve.spec_decode.drafters.eagle3 import Eagle3Drafter
 from tests.tiny_models import VOCAB
 
 B = 4

@@ -15,7 +15,7 @@ from scipy import stats
 
 from specserve import LLM, SamplingParams
 from specserve.layers.sampler import SamplingBatch, target_probs
-from specserve.spec.cost_model import CostProfile
+from specserve.spec_decode.cost_model import CostProfile
 from tests.tiny_models import save_tiny_drafter
 
 V = 16
@@ -228,7 +228,7 @@ def test_speculative_sampling_matches_the_target_distribution(drafter, case, mod
 
 def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):
     """Power check: resampling from p instead of max(p - q, 0) after a rejection is biased, and seen."""
-    import specserve.spec.rejection as rejection
+    import specserve.spec_decode.rejection as rejection
 
     monkeypatch.setattr(rejection, "_residual_weights", lambda p, *args: p.clone())
     reference, target_dir, _, _ = models
@@ -241,7 +241,7 @@ def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):
 def test_verifying_drafts_by_their_own_probability_fails(models, drafters, monkeypatch):
     """Power check of Appendix A on a real engine: a scheduled policy that reads q(d_j), which depends on
     d_j itself, as the draft model's confidence verifies a biased selection of drafts, and it shows."""
-    from specserve.spec.drafters.base import DraftProposal
+    from specserve.spec_decode.drafters.base import DraftProposal
 
     def own_probability(self):
         if self.probs is None:  # what keep_drafting reads carries the peaks only

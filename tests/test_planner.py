@@ -10,11 +10,16 @@ import torch
 from scipy import stats
 
 from specserve import LLM, SamplingParams
-from specserve.spec.calibration import Recalibration
-from specserve.spec.cost_model import CostProfile
-from specserve.spec.drafters.base import DraftProposal
-from specserve.spec.planner import AsyncDSparkPlanner, DSparkPlanner, greedy_admission, ranked_candidates
-from specserve.spec.rejection import build_verify_batch, rejection_sample
+from specserve.spec_decode.calibration import Recalibration
+from specserve.spec_decode.cost_model import CostProfile
+from specserve.spec_decode.drafters.base import DraftProposal
+from specserve.spec_decode.planner import (
+    AsyncDSparkPlanner,
+    DSparkPlanner,
+    greedy_admission,
+    ranked_candidates,
+)
+from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
 
 # Appendix A: SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45; target (0.7, 0.3) over tokens {A=0, B=1}; the
 # drafter samples uniformly; c1 = 1 and c2 = 1 if x1 = A else 0 (c2 depends on the sampled x1).
@@ -308,7 +313,7 @@ def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeyp
     """Fake forwards on a fake clock: the first two at B = 1 are slow (weights paged in); the first is
     not timed and the median of three drops the second. B = 2 measured slower than B = 4 (disturbance)
     and takes B = 4's time: a larger batch never takes less."""
-    from specserve.spec import cost_model
+    from specserve.spec_decode import cost_model
 
     clock = [0.0]
     seconds = {1: [9.0, 9.0, 0.25, 0.25], 2: [0.4] * 3, 4: [0.3] * 3, 8: [0.6] * 3}

@@ -11,8 +11,8 @@ from scipy.stats import binomtest, chisquare
 
 from specserve.config import SamplingParams
 from specserve.layers.sampler import make_generator
-from specserve.spec import rejection
-from specserve.spec.rejection import PLACEHOLDER_TOKEN_ID, build_verify_batch, rejection_sample
+from specserve.spec_decode import rejection
+from specserve.spec_decode.rejection import PLACEHOLDER_TOKEN_ID, build_verify_batch, rejection_sample
 
 N_DRAWS = 20_000
 ALPHA = 1e-3

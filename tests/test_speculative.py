@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
-from specserve.spec.cost_model import CostProfile
-from specserve.spec.drafters.ngram import lookup
-from specserve.spec.planner import ScheduledPlanner
+from specserve.spec_decode.cost_model import CostProfile
+from specserve.spec_decode.drafters.ngram import lookup
+from specserve.spec_decode.planner import ScheduledPlanner
 from tests.tiny_models import VOCAB, save_tiny_drafter
 
 

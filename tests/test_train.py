@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from specserve.models.loader import load_model
-from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
-from specserve.spec.deepspec.config import new_draft_config
+from specserve.spec_decode.deepspec.checkpoint import (
+    build_draft_model,
+    init_draft_weights,
+    init_from_target_layers,
+)
+from specserve.spec_decode.deepspec.config import new_draft_config
 from specserve.train.anchors import make_blocks, position_weights, sample_anchors
 from specserve.train.curves import moving_average
 from specserve.train.forward import dspark_training_forward, target_features, target_logits

@@ -12,9 +12,9 @@ import torch
 from specserve import SamplingParams
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
-from specserve.spec.deepspec.config import new_eagle3_config
-from specserve.spec.drafters.eagle3 import Eagle3Drafter
+from specserve.spec_decode.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec_decode.deepspec.config import new_eagle3_config
+from specserve.spec_decode.drafters.eagle3 import Eagle3Drafter
 from specserve.train.eagle3 import eagle3_training_forward
 from specserve.train.forward import target_features
 from specserve.train.losses import eagle3_loss

@@ -96,12 +96,12 @@ def save_tiny_drafter(
     `eagle3` makes an EAGLE-3 drafter instead (`config` then goes to `new_eagle3_config`).
     """
     from specserve.models.loader import load_model
-    from specserve.spec.deepspec.checkpoint import (
+    from specserve.spec_decode.deepspec.checkpoint import (
         build_draft_model,
         init_draft_weights,
         save_draft_checkpoint,
     )
-    from specserve.spec.deepspec.config import new_draft_config, new_eagle3_config
+    from specserve.spec_decode.deepspec.config import new_draft_config, new_eagle3_config
 
     target, target_config, _ = load_model(str(target_dir))
     vocab = target_config.vocab_size

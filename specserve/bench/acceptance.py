@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specserve.config import SamplingParams
-from specserve.spec.calibration import VerificationRecords, auc, ece, position_data
-from specserve.spec.metrics import SpecStats
+from specserve.spec_decode.calibration import VerificationRecords, auc, ece, position_data
+from specserve.spec_decode.metrics import SpecStats
 
 
 @dataclass

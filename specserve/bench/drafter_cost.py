@@ -19,10 +19,10 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.engine.engine import LLMEngine
 from specserve.engine.model_runner import PieceInput
 from specserve.layers.linear import pack_linears
-from specserve.spec.cost_model import fake_requests, prime_drafter, time_draft_round
-from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights
-from specserve.spec.deepspec.config import default_mask_token, new_draft_config
-from specserve.spec.drafters.dspark import DSparkDrafter
+from specserve.spec_decode.cost_model import fake_requests, prime_drafter, time_draft_round
+from specserve.spec_decode.deepspec.checkpoint import build_draft_model, init_draft_weights
+from specserve.spec_decode.deepspec.config import default_mask_token, new_draft_config
+from specserve.spec_decode.drafters.dspark import DSparkDrafter
 
 
 @dataclass

@@ -23,13 +23,13 @@ from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import SamplingBatch, sample
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
-from specserve.spec.calibration import LiveCalibration, Recalibration, VerificationRecords
-from specserve.spec.cost_model import CostProfile, cache_path, engine_key, profile_engine
-from specserve.spec.drafters import build_drafter
-from specserve.spec.drafters.base import DraftProposal
-from specserve.spec.metrics import SpecStats, StepRecord
-from specserve.spec.planner import Plan, build_planner, survival
-from specserve.spec.rejection import build_verify_batch, rejection_sample
+from specserve.spec_decode.calibration import LiveCalibration, Recalibration, VerificationRecords
+from specserve.spec_decode.cost_model import CostProfile, cache_path, engine_key, profile_engine
+from specserve.spec_decode.drafters import build_drafter
+from specserve.spec_decode.drafters.base import DraftProposal
+from specserve.spec_decode.metrics import SpecStats, StepRecord
+from specserve.spec_decode.planner import Plan, build_planner, survival
+from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
-from specserve.spec.metrics import SpecStats
+from specserve.spec_decode.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):

@@ -22,7 +22,7 @@ from specserve.config import SamplingParams, SpecserveError
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import CompletionOutput, RequestOutput
 from specserve.engine.sequence import RequestMetrics, Sequence
-from specserve.spec.metrics import SpecStats
+from specserve.spec_decode.metrics import SpecStats
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.spec.deepspec.dspark import DenseDraftBatch
-from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+from specserve.spec_decode.deepspec.dspark import DenseDraftBatch
+from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.train.anchors import choose
 from specserve.train.forward import target_logits
 

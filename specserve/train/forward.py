@@ -18,8 +18,8 @@ import torch
 
 from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.models.base import CausalLM
-from specserve.spec.deepspec.checkpoint import DraftModel
-from specserve.spec.deepspec.dspark import DSparkDraftModel, dense_block_batch
+from specserve.spec_decode.deepspec.checkpoint import DraftModel
+from specserve.spec_decode.deepspec.dspark import DSparkDraftModel, dense_block_batch
 from specserve.train.anchors import Blocks, make_blocks, sample_anchors
 
 

@@ -11,8 +11,12 @@ from torch.utils.data import Subset
 from specserve.config import SpecserveError
 from specserve.models.loader import load_model
 from specserve.models.registry import text_config_of
-from specserve.spec.deepspec.checkpoint import build_draft_model, init_draft_weights, init_from_target_layers
-from specserve.spec.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
+from specserve.spec_decode.deepspec.checkpoint import (
+    build_draft_model,
+    init_draft_weights,
+    init_from_target_layers,
+)
+from specserve.spec_decode.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
 from specserve.train.curves import plot_curves, read_curve
 from specserve.train.target_cache import TargetCache
 from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics, truncate_metrics

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.spec.deepspec.checkpoint import DraftModel, load_draft_checkpoint, save_draft_checkpoint
-from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+from specserve.spec_decode.deepspec.checkpoint import DraftModel, load_draft_checkpoint, save_draft_checkpoint
+from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.train.anchors import position_weights
 from specserve.train.eagle3 import eagle3_training_forward
 from specserve.train.forward import dspark_training_forward

@@ -23,8 +23,8 @@ from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.gemma import plan_layers
-from specserve.spec.deepspec.config import DrafterConfig, DSparkConfig
-from specserve.spec.deepspec.heads import ConfidenceHead, MarkovHead, build_markov_head
+from specserve.spec_decode.deepspec.config import DrafterConfig, DSparkConfig
+from specserve.spec_decode.deepspec.heads import ConfidenceHead, MarkovHead, build_markov_head
 
 
 def _norm(config: DrafterConfig, dim: int) -> RMSNorm:

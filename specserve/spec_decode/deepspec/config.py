@@ -16,7 +16,7 @@ from typing import ClassVar
 import transformers
 
 from specserve.config import SpecserveError
-from specserve.spec.deepspec.heads import MARKOV_HEAD_TYPES
+from specserve.spec_decode.deepspec.heads import MARKOV_HEAD_TYPES
 
 # Targets whose drafter takes each layout. Qwen2/2.5 targets get the Qwen3 drafter (q/k norms, no biases):
 # DeepSpec has no Qwen2 class, and the layout is the target-independent part of the drafter.

@@ -19,11 +19,11 @@ import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.engine.sequence import Sequence
-from specserve.spec.calibration import load_temperatures
-from specserve.spec.deepspec.config import DSparkConfig
-from specserve.spec.deepspec.dspark import DSparkDraftModel
-from specserve.spec.drafters.base import DraftProposal, sample_drafts
-from specserve.spec.drafters.hidden_states import HiddenStateDrafter, concat_rows
+from specserve.spec_decode.calibration import load_temperatures
+from specserve.spec_decode.deepspec.config import DSparkConfig
+from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
+from specserve.spec_decode.drafters.base import DraftProposal, sample_drafts
+from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, concat_rows
 
 
 class DSparkDrafter(HiddenStateDrafter):

@@ -15,10 +15,10 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
-from specserve.spec.deepspec.config import Eagle3Config
-from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
-from specserve.spec.drafters.base import DraftProposal, sample_drafts
-from specserve.spec.drafters.hidden_states import HiddenStateDrafter, concat_rows
+from specserve.spec_decode.deepspec.config import Eagle3Config
+from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
+from specserve.spec_decode.drafters.base import DraftProposal, sample_drafts
+from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, concat_rows
 
 
 class Eagle3Drafter(HiddenStateDrafter):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from specserve.config import SamplingParams, SpecserveError
-from specserve.spec.calibration import (
+from specserve.spec_decode.calibration import (
     VerificationRecords,
     calibration_report,
     fit_sts,

@@ -19,9 +19,9 @@ from torch import nn
 from specserve.config import SpecserveError
 from specserve.models.base import CausalLM
 from specserve.models.loader import iter_checkpoint_tensors, resolve_model
-from specserve.spec.deepspec.config import DrafterConfig, DSparkConfig, parse_drafter_config
-from specserve.spec.deepspec.dspark import DSparkDraftModel
-from specserve.spec.deepspec.eagle3 import Eagle3DraftModel
+from specserve.spec_decode.deepspec.config import DrafterConfig, DSparkConfig, parse_drafter_config
+from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
+from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 
 DraftModel = DSparkDraftModel | Eagle3DraftModel
 

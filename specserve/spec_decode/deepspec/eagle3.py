@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.spec.deepspec.config import Eagle3Config
-from specserve.spec.deepspec.dspark import DraftBatch, DraftLayer, TokenIO, _norm, draft_rotary
+from specserve.spec_decode.deepspec.config import Eagle3Config
+from specserve.spec_decode.deepspec.dspark import DraftBatch, DraftLayer, TokenIO, _norm, draft_rotary
 
 
 class Eagle3Layer(DraftLayer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.engine.sequence import Sequence
-from specserve.spec.drafters.base import Drafter, DraftProposal
+from specserve.spec_decode.drafters.base import Drafter, DraftProposal
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.drafters.base import Drafter, DraftProposal
+from specserve.spec_decode.drafters.base import Drafter, DraftProposal
 
 
 def build_drafter(config: SpeculativeConfig, target) -> Drafter:
     """`target` is the LLMEngine whose model the drafter serves (vocabulary, KV budget, dtype)."""
     if config.method == "ngram":
-        from specserve.spec.drafters.ngram import NgramDrafter
+        from specserve.spec_decode.drafters.ngram import NgramDrafter
 
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft_model":
-        from specserve.spec.drafters.draft_model import DraftModelDrafter
+        from specserve.spec_decode.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_config(config, target)
     if config.method in ("dspark", "dflash"):
-        from specserve.spec.drafters.dspark import DSparkDrafter
+        from specserve.spec_decode.drafters.dspark import DSparkDrafter
 
         return DSparkDrafter.from_config(config, target)
     if config.method == "eagle3":
-        from specserve.spec.drafters.eagle3 import Eagle3Drafter
+        from specserve.spec_decode.drafters.eagle3 import Eagle3Drafter
 
         return Eagle3Drafter.from_config(config, target)
     raise ValueError(f"no drafter for method {config.method!r}")

@@ -14,9 +14,9 @@ from specserve.engine.sequence import Sequence
 from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
 from specserve.layers.linear import pack_linears
 from specserve.layers.quant import quantize_model
-from specserve.spec.deepspec.checkpoint import load_draft_checkpoint
-from specserve.spec.deepspec.dspark import PagedDraftBatch, attention_geometry
-from specserve.spec.drafters.base import Drafter
+from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
+from specserve.spec_decode.deepspec.dspark import PagedDraftBatch, attention_geometry
+from specserve.spec_decode.drafters.base import Drafter
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from specserve.engine.kv_cache import BlockManager
 from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec.drafters.base import (
+from specserve.spec_decode.drafters.base import (
     Drafter,
     DraftProposal,
     KeepDrafting,
