@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec_decode.calibration import (
-    LiveCalibration,
-    Recalibration,
+from specserve.spec_decode.calibration.offline import (
     VerificationRecords,
     auc,
     calibration_report,
@@ -17,6 +15,7 @@ from specserve.spec_decode.calibration import (
     position_data,
     save_temperatures,
 )
+from specserve.spec_decode.calibration.online import LiveCalibration, Recalibration
 
 
 def overconfident_rounds(n: int = 4000, k: int = 4, true_temperature: float = 3.0, seed: int = 0):
@@ -65,7 +64,7 @@ def test_live_calibration_matches_the_offline_ece():
 
 def test_calibrate_command_writes_temperatures_the_engine_applies(tiny_model_dir, tmp_path):
     from specserve import LLM, SamplingParams
-    from specserve.spec_decode.calibrate import calibrate
+    from specserve.train.calibrate import calibrate
     from tests.tiny_models import save_tiny_drafter
 
     target = str(tiny_model_dir("qwen3"))
@@ -79,7 +78,7 @@ def test_calibrate_command_writes_temperatures_the_engine_applies(tiny_model_dir
         assert (drafter_dir / name).is_file()
     temperatures = load_temperatures(drafter_dir)
     fresh = LLM(target, max_model_len=128, speculative_config=spec)
-    assert fresh.engine.drafter.temperatures == temperatures
+    assert fresh.engine.speculator.drafter.temperatures == temperatures
 
 
 def test_recalibration_shrinks_towards_the_raw_confidence_until_rounds_accumulate():

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import SamplingParams, SpecserveError
-from specserve.config import EngineConfig
-from specserve.engine.sequence import Sequence
+from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
+from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.checkpoint import (
     build_draft_model,
     init_draft_weights,
@@ -56,14 +56,21 @@ def make_drafter_model(targets, arch="qwen3", seed=0, std=0.2, k_eq_v=False, **c
     return model
 
 
-def fake_engine(block_size=4, greedy_generator_seed=0):
-    """What the hidden-state drafters read from their engine."""
-    return SimpleNamespace(
-        vocab_size=VOCAB,
-        eos_token_ids={2},
+def fake_target(block_size=4, greedy_generator_seed=0) -> TargetContext:
+    """What the hidden-state drafters know of their engine (no model: they are built from their own)."""
+    return TargetContext(
+        model=None,
+        model_config=SimpleNamespace(vocab_size=VOCAB),
+        tokenizer=None,
+        model_name="unused",
+        dtype="float32",
+        block_size=block_size,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        max_model_len=512,
+        eos_token_ids=frozenset({2}),
         generator=torch.Generator().manual_seed(greedy_generator_seed),
-        config=EngineConfig(model="unused", block_size=block_size, max_num_seqs=4),
-        block_manager=SimpleNamespace(num_blocks=64),
     )
 
 
@@ -74,7 +81,7 @@ def sequence(request_id: str, tokens: list[int]) -> Sequence:
 
 def incremental_rounds(model, seqs_tokens, features, anchors, cache_block=4):
     """Run the engine drafter's backbone round by round; block hidden states per (sequence, anchor)."""
-    drafter = DSparkDrafter(model, fake_engine(cache_block))
+    drafter = DSparkDrafter(model, fake_target(cache_block))
     out = {}
     fed = [0] * len(seqs_tokens)
     for round_ in range(len(anchors[0])):
@@ -181,7 +188,7 @@ def test_markov_bias_orientation_and_the_anchor_as_first_prev(targets):
     prev = torch.tensor([3, 17])
     bias, _ = head.step(prev, torch.zeros(2, model.config.hidden_size), None)
     torch.testing.assert_close(bias, (head.markov_w2.weight @ head.markov_w1.weight[prev].T).T)
-    drafter = DSparkDrafter(model, fake_engine())
+    drafter = DSparkDrafter(model, fake_target())
     h = torch.zeros(1, B, model.config.hidden_size)
     (proposal,) = drafter._sample(h, torch.tensor([5]), [sequence("r", [1, 5])])
     chain, token = [], 5
@@ -222,7 +229,7 @@ def test_gemma_softcap_then_markov_bias(targets, monkeypatch):
     monkeypatch.setattr(
         dspark_drafter, "sample_drafts", lambda logits, *a: seen.append(logits) or real(logits, *a)
     )
-    drafter = DSparkDrafter(model, fake_engine())
+    drafter = DSparkDrafter(model, fake_target())
     h = torch.randn(1, B, model.config.hidden_size) * 200
     with torch.no_grad():
         (proposal,) = drafter._sample(h, torch.tensor([7]), [sequence("r", [1, 7])])
@@ -239,7 +246,7 @@ def test_gemma_softcap_then_markov_bias(targets, monkeypatch):
 def test_confidence_uses_the_previous_token(targets):
     """Pitfall 13: c_i = sigmoid(w [h_i; W1[prev_i]] + b) with prev_0 = the anchor."""
     model = make_drafter_model(targets)
-    drafter = DSparkDrafter(model, fake_engine())
+    drafter = DSparkDrafter(model, fake_target())
     g = torch.Generator().manual_seed(3)
     h = torch.randn(1, B, model.config.hidden_size, generator=g)
     with torch.no_grad():
@@ -383,7 +390,7 @@ def test_eagle3_incremental_rounds_equal_the_full_sequence(arch, targets):
     model = make_eagle3_model(targets, arch)
     tokens, features = case_inputs(model, lengths=(14,))
     tokens, features = tokens[0], features[0]
-    drafter = Eagle3Drafter(model, fake_engine(), max_num_tokens=2)
+    drafter = Eagle3Drafter(model, fake_target(), max_num_tokens=2)
     params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     fed = 0
     for a in (5, 6, 11):

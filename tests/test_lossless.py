@@ -15,7 +15,7 @@ from scipy import stats
 
 from specserve import LLM, SamplingParams
 from specserve.layers.sampler import SamplingBatch, target_probs
-from specserve.spec_decode.cost_model import CostProfile
+from specserve.spec_decode.cost_profile import CostProfile
 from tests.tiny_models import save_tiny_drafter
 
 V = 16
@@ -166,7 +166,7 @@ def sampled_joint(
         counts[key] = counts.get(key, 0) + 1
     stats_ = llm.engine.spec_stats
     if spec.get("verify_policy", "fixed") != "fixed":  # the planner chose different lengths
-        assert len({sum(r.budgets) / len(r.budgets) for r in llm.engine.step_log}) > 3
+        assert len({sum(r.budgets) / len(r.budgets) for r in llm.engine.speculator.step_log}) > 3
     assert len(stats_.accepted_per_position) == 3  # drafts at positions 1..3 were verified
     assert 0.05 < stats_.acceptance_rate < 0.95, stats_  # the drafter is poor, not useless
     assert min(stats_.accepted_per_position) >= 20, stats_  # and every position accepts sometimes
@@ -241,7 +241,7 @@ def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):
 def test_verifying_drafts_by_their_own_probability_fails(models, drafters, monkeypatch):
     """Power check of Appendix A on a real engine: a scheduled policy that reads q(d_j), which depends on
     d_j itself, as the draft model's confidence verifies a biased selection of drafts, and it shows."""
-    from specserve.spec_decode.drafters.base import DraftProposal
+    from specserve.core.proposal import DraftProposal
 
     def own_probability(self):
         if self.probs is None:  # what keep_drafting reads carries the peaks only

@@ -10,9 +10,9 @@ import torch
 from scipy import stats
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.calibration import Recalibration
-from specserve.spec_decode.cost_model import CostProfile
-from specserve.spec_decode.drafters.base import DraftProposal
+from specserve.core.proposal import DraftProposal
+from specserve.spec_decode.calibration.online import Recalibration
+from specserve.spec_decode.cost_profile import CostProfile
 from specserve.spec_decode.planner import (
     AsyncDSparkPlanner,
     DSparkPlanner,
@@ -313,7 +313,7 @@ def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeyp
     """Fake forwards on a fake clock: the first two at B = 1 are slow (weights paged in); the first is
     not timed and the median of three drops the second. B = 2 measured slower than B = 4 (disturbance)
     and takes B = 4's time: a larger batch never takes less."""
-    from specserve.spec_decode import cost_model
+    from specserve.spec_decode import profiler
 
     clock = [0.0]
     seconds = {1: [9.0, 9.0, 0.25, 0.25], 2: [0.4] * 3, 4: [0.3] * 3, 8: [0.6] * 3}
@@ -321,8 +321,8 @@ def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeyp
     def forward(num_tokens, context):
         clock[0] += seconds[num_tokens].pop(0)
 
-    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
-    assert cost_model.measure_target(forward, [1, 2, 4, 8]) == pytest.approx([0.25, 0.3, 0.3, 0.6])
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
+    assert profiler.measure_target(forward, [1, 2, 4, 8]) == pytest.approx([0.25, 0.3, 0.3, 0.6])
     assert all(not left for left in seconds.values())
 
 
@@ -330,9 +330,9 @@ def test_engine_start_measures_the_cost_profile_once_and_caches_it(tiny_model_di
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     target = str(tiny_model_dir("qwen3"))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "verify_policy": "dspark"}
-    measured = LLM(target, max_model_len=128, speculative_config=spec).engine.planner.profile
+    measured = LLM(target, max_model_len=128, speculative_config=spec).engine.speculator.planner.profile
     (table,) = tmp_path.glob("profiles/*.json")
     assert table.with_suffix(".png").is_file()
     written = table.stat().st_mtime_ns
-    cached = LLM(target, max_model_len=128, speculative_config=spec).engine.planner.profile
+    cached = LLM(target, max_model_len=128, speculative_config=spec).engine.speculator.planner.profile
     assert table.stat().st_mtime_ns == written and cached.step_s == measured.step_s

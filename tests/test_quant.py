@@ -395,7 +395,7 @@ def test_a_drafter_is_quantized_independently_of_the_target(mode, method, tiny_m
     model = target if method == "draft_model" else str(save_tiny_drafter(target, tmp_path / "d", std=0.2))
     spec = {"method": method, "model": model, "num_speculative_tokens": 3, "quantization": mode}
     llm = tiny_llm(target, speculative_config=spec)
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculator.drafter
     draft_net = drafter.runner.model if method == "draft_model" else drafter.model
     assert any(isinstance(m, Int8Linear | Int4Linear) for m in draft_net.modules())
     assert not any(isinstance(m, Int8Linear | Int4Linear) for m in llm.engine.model.modules())

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from specserve.config import SamplingParams
+from specserve.core.block_manager import BlockManager
+from specserve.core.sequence import Sequence, SequenceStatus
 from specserve.engine.detokenizer import Detokenizer
-from specserve.engine.kv_cache import BlockManager
 from specserve.engine.scheduler import Scheduler
-from specserve.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(name: str, prompt_len: int, **params) -> Sequence:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
-from specserve.spec_decode.cost_model import CostProfile
+from specserve.spec_decode.cost_profile import CostProfile
 from specserve.spec_decode.drafters.ngram import lookup
 from specserve.spec_decode.planner import ScheduledPlanner
 from tests.tiny_models import VOCAB, save_tiny_drafter
@@ -149,9 +149,9 @@ def test_dspark_greedy_equals_greedy_decoding(name, target_dir, reference, draft
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes were exercised
     check_context_bookkeeping(observed)
     if name != "dflash" and name != "eagle3":  # a confidence head: live calibration and the step log
-        assert sum(llm.engine.calibration.samples_per_position()) > 0
-        assert all(sum(r.budgets) + len(r.budgets) <= r.batch_tokens for r in llm.engine.step_log)
-    drafter = llm.engine.drafter
+        assert sum(llm.engine.speculator.calibration.samples_per_position()) > 0
+        assert all(sum(r.budgets) + len(r.budgets) <= r.batch_tokens for r in llm.engine.speculator.step_log)
+    drafter = llm.engine.speculator.drafter
     assert drafter.states == {} and drafter.blocks.num_used_blocks == 0
     assert llm.engine.block_manager.num_used_blocks == 0
 
@@ -170,7 +170,7 @@ def test_hidden_state_drafters_on_other_targets(arch, tiny_model_dir, drafter_di
 
 def record_observe(llm) -> list:
     """Wrap the drafter's observe: (request id, start, rows, drafts verified, accepted) per call."""
-    drafter, calls = llm.engine.drafter, []
+    drafter, calls = llm.engine.speculator.drafter, []
     real = drafter.observe
 
     def observe(seq, start, features):
@@ -220,7 +220,7 @@ def test_a_draft_model_drafts_nothing_where_drafting_cannot_pay(
     llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.spec_stats.num_drafts == 0 and llm.engine.drafter.states == {}
+    assert llm.engine.spec_stats.num_drafts == 0 and llm.engine.speculator.drafter.states == {}
 
 
 def test_a_draft_model_catches_up_after_steps_without_drafts(
@@ -291,7 +291,7 @@ def test_the_planner_weighs_each_requests_backlog_against_the_tokens_it_has_left
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     plain = LLM(target_dir, max_model_len=256).generate([prompt], params)[0].outputs[0].token_ids
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
-    k = llm.engine.num_draft_tokens
+    k = llm.engine.speculator.num_draft_tokens
     assert asked[0] == (len(prompt) + 1, 19) and llm.engine.spec_stats.num_drafts > 0
     assert len(asked) > 1 and all(1 <= backlog <= k + 1 for backlog, _ in asked[1:])
     assert [left for _, left in asked] == sorted({left for _, left in asked}, reverse=True)
@@ -299,7 +299,7 @@ def test_the_planner_weighs_each_requests_backlog_against_the_tokens_it_has_left
     monkeypatch.setattr(ScheduledPlanner, "catch_up", lambda self, backlogs, *_: [False] * len(backlogs))
     llm = LLM(target_dir, max_model_len=256, speculative_config=spec)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
-    assert llm.engine.spec_stats.num_drafts == 0 and llm.engine.drafter.states == {}
+    assert llm.engine.spec_stats.num_drafts == 0 and llm.engine.speculator.drafter.states == {}
 
 
 @pytest.mark.parametrize("name", ["dspark_scheduled", "eagle3"])
@@ -322,7 +322,7 @@ def test_round_drafters_catch_up_after_steps_without_a_round(
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.spec_stats.num_drafts > 0 and calls["rounds"] >= 20
-    assert any(not any(r.budgets) for r in llm.engine.step_log)  # plain steps are logged too
+    assert any(not any(r.budgets) for r in llm.engine.speculator.step_log)  # plain steps are logged too
     check_context_bookkeeping(observed)
 
 

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specserve.config import SamplingParams
-from specserve.spec_decode.calibration import VerificationRecords, auc, ece, position_data
-from specserve.spec_decode.metrics import SpecStats
+from specserve.core.spec_stats import SpecStats
+from specserve.spec_decode.calibration.offline import VerificationRecords, auc, ece, position_data
 
 
 @dataclass
@@ -30,15 +30,15 @@ class AcceptanceResult:
 
 
 def evaluate(llm, drafter: str, dataset: str, prompts: list[str], params: SamplingParams) -> AcceptanceResult:
-    engine = llm.engine
-    engine.spec_stats = SpecStats()
+    speculator = llm.engine.speculator
+    speculator.stats = SpecStats()
     records = VerificationRecords()
-    engine.verification_records = records
+    speculator.verification_records = records
     try:
         llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
     finally:
-        engine.verification_records = None
-    stats = engine.spec_stats
+        speculator.verification_records = None
+    stats = speculator.stats
     result = AcceptanceResult(
         drafter=drafter,
         dataset=dataset,

@@ -17,12 +17,12 @@ import torch
 
 from specserve.config import EngineConfig, SpecserveError
 from specserve.engine.engine import LLMEngine
-from specserve.engine.model_runner import PieceInput
 from specserve.layers.linear import pack_linears
-from specserve.spec_decode.cost_model import fake_requests, prime_drafter, time_draft_round
 from specserve.spec_decode.deepspec.checkpoint import build_draft_model, init_draft_weights
 from specserve.spec_decode.deepspec.config import default_mask_token, new_draft_config
 from specserve.spec_decode.drafters.dspark import DSparkDrafter
+from specserve.spec_decode.profiler import fake_requests, prime_drafter, time_draft_round
+from specserve.worker.model_runner import PieceInput
 
 
 @dataclass
@@ -76,7 +76,7 @@ def measure(
         draft = build_draft_model(config)
         init_draft_weights(draft, engine.model)
         pack_linears(draft)
-        drafter = DSparkDrafter(draft, engine)
+        drafter = DSparkDrafter(draft, engine.target_context)
         for num_requests in request_counts:
             draft_ms, verify_ms, decode_ms = measure_round(engine, drafter, num_requests, context, repeats)
             rows.append(CostRow(num_layers, num_requests, draft_ms, verify_ms, decode_ms))

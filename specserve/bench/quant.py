@@ -31,11 +31,11 @@ import torch
 
 from specserve.bench.spec_decode import CachedContext
 from specserve.config import SamplingParams
-from specserve.engine.model_runner import PieceInput
-from specserve.engine.sequence import Sequence
+from specserve.core.sequence import Sequence
 from specserve.layers.linear import onednn_linear_padded, onednn_pack
 from specserve.layers.quant import quantize_linear
 from specserve.llm import LLM
+from specserve.worker.model_runner import PieceInput
 
 MODES = ("fp32", "int8", "int4")
 KERNEL_SHAPES = [("q/o", 1536, 1536), ("k/v", 1536, 256), ("gate/up", 1536, 8960), ("down", 8960, 1536)]

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.model_runner import PieceInput
-from specserve.engine.sequence import Sequence
+from specserve.core.sequence import Sequence
 from specserve.llm import LLM
+from specserve.worker.model_runner import PieceInput
 
 
 def load_eval_prompts(path: Path, limit: int) -> list[str]:
@@ -113,7 +113,7 @@ def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: 
         seconds += out.metrics.finish_time - out.metrics.first_token_time
         tokens += len(out.outputs[0].token_ids) - 1
     result = RunResult(name, tokens, seconds)
-    if llm.engine.drafter is not None:
+    if llm.engine.speculator is not None:
         result.rounds = stats.num_drafts - before[0]
         result.verified = stats.num_draft_tokens - before[1]
         result.emitted = stats.num_emitted_tokens - before[2]

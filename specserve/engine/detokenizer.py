@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.engine.sequence import Sequence
+from specserve.core.sequence import Sequence
 
 _INCOMPLETE_UTF8 = "\ufffd"
 

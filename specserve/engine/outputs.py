@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.engine.sequence import RequestMetrics
+from specserve.core.sequence import RequestMetrics
 
 
 @dataclass

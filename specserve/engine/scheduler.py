@@ -5,49 +5,19 @@ token, or a whole sequence again after preemption. So prefill, chunked prefill a
 (as in vLLM v1). Running sequences go first (FCFS); waiting ones are admitted while the token budget,
 `max_num_seqs` and free KV blocks allow. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens, so nothing is lost.
+After the step, `update_from_output` commits what was computed: verified drafts extend the cache, rejected
+ones are rolled back by length, and finished sequences leave the batch with their blocks freed.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
-from specserve.engine.kv_cache import BlockManager
-from specserve.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledPiece:
-    """`num_tokens` tokens of `seq` from position `start`, then `num_drafts` of its draft tokens to verify."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    num_drafts: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        own = self.seq.all_token_ids[self.start : self.start + self.num_tokens]
-        return own + self.seq.draft.token_ids[: self.num_drafts] if self.num_drafts else own
-
-    @property
-    def num_query_tokens(self) -> int:
-        return self.num_tokens + self.num_drafts
-
-    @property
-    def reaches_end(self) -> bool:
-        """True when the piece covers the sequence's last token, so the step samples a new one."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    pieces: list[ScheduledPiece] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(p.num_query_tokens for p in self.pieces)
+from specserve.core.batch import PieceResult, ScheduledPiece, StepBatch
+from specserve.core.block_manager import BlockManager
+from specserve.core.proposal import DraftProposal
+from specserve.core.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -65,16 +35,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    @property
+    def load(self) -> int:
+        """Requests running or waiting."""
+        return len(self.running) + len(self.waiting)
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences whose next step is a decode step (one token not yet cached)."""
+        return [s for s in self.running if s.num_uncomputed_tokens == 1]
+
+    def schedule(self, drafts: Mapping[str, DraftProposal] | None = None) -> StepBatch:
+        """This step's pieces; `drafts` (by request id, decode steps only) ride along as far as the token
+        budget allows."""
+        drafts = drafts or {}
+        out = StepBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            # Drafts (set only on decode steps) ride along as far as the budget allows.
-            drafts = len(seq.draft.token_ids) if seq.draft is not None else 0
-            n = min(seq.num_uncomputed_tokens + drafts, budget)
+            draft = drafts.get(seq.request_id)
+            n = min(seq.num_uncomputed_tokens + (len(draft.token_ids) if draft is not None else 0), budget)
             while not bm.can_grow(seq, seq.num_computed_tokens + n) and self.running[-1] is not seq:
                 out.preempted.append(self._preempt(self.running.pop()))
             if not bm.can_grow(seq, seq.num_computed_tokens + n):
@@ -82,7 +63,8 @@ class Scheduler:
                 break
             bm.grow(seq, seq.num_computed_tokens + n)
             own = min(n, seq.num_uncomputed_tokens)
-            out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, own, n - own))
+            verified = draft.truncate(n - own) if n > own else None
+            out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, own, verified))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
@@ -100,12 +82,23 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.block_manager.free(seq)
-        seq.draft = None
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
         return seq
+
+    def update_from_output(self, batch: StepBatch, results: list[PieceResult | None]) -> None:
+        """Commit a step: the cache now holds each piece's tokens and its accepted drafts; the blocks past
+        them (rejected drafts) go back to the free list, a length change; finished sequences leave."""
+        for piece, result in zip(batch.pieces, results):
+            seq = piece.seq
+            if seq.is_finished:
+                self.finish(seq)
+                continue
+            seq.num_computed_tokens += piece.num_tokens + (result.num_accepted if result is not None else 0)
+            if piece.draft is not None:
+                self.block_manager.shrink(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks at once."""
@@ -114,4 +107,3 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED

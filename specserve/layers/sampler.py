@@ -394,11 +394,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, num_logprobs: int | None 
             tokens = torch.where(batch.is_greedy, x.argmax(dim=-1), tokens)
     if num_logprobs is None:
         return SampleOutput(token_ids=tokens)
+    return raw_logprobs(logits, tokens, num_logprobs)
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> SampleOutput:
+    """Raw log-probabilities (log_softmax of `logits` [M, V]) of `tokens` [M] and each row's top `num_top`."""
     raw = logits.float()
     lse = raw.logsumexp(dim=-1)
     out = SampleOutput(token_ids=tokens, logprobs=raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse)
-    if num_logprobs > 0:
-        top = raw.topk(min(num_logprobs, raw.shape[1]), dim=-1)
+    if num_top > 0:
+        top = raw.topk(min(num_top, raw.shape[1]), dim=-1)
         out.top_logprobs = (top.indices, top.values - lse.unsqueeze(1))
     return out
 
@@ -410,6 +415,7 @@ __all__ = [
     "draw_uniform",
     "make_generator",
     "processed_logprobs",
+    "raw_logprobs",
     "sample",
     "target_probs",
 ]

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specserve.cache_dir import cache_root, file_lock
 from specserve.config import SpecserveError
 from specserve.layers.quant import (
     Int4Linear,
@@ -58,7 +59,6 @@ from specserve.layers.quant import (
     quantize_linear,
     replace_module,
 )
-from specserve.models.local_models import cache_root, file_lock
 
 # Bump when the conversion output changes, so stale caches are rebuilt rather than trusted.
 CONVERTER_VERSION = 1

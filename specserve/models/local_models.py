@@ -8,15 +8,14 @@ and renamed into place, so an interrupted run never leaves a file that a later r
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.resources
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.cache_dir import cache_root, file_lock
 from specserve.config import SpecserveError
 
 INSTALL_HINT = "pip install 'specserve[local-models]'"
@@ -65,12 +64,6 @@ LOCAL_MODELS: dict[str, LocalModel] = {
 }
 
 
-def cache_root() -> Path:
-    """`$SPECSERVE_CACHE`, or `~/.cache/specserve`."""
-    env = os.environ.get("SPECSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specserve"
-
-
 def short_names() -> list[str]:
     return sorted(LOCAL_MODELS)
 
@@ -96,18 +89,6 @@ def chunk_paths(model: LocalModel) -> list[Path]:
             f"install them with: {INSTALL_HINT}"
         )
     return paths
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock, so two processes never assemble or convert the same thing at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def assemble_chunks(

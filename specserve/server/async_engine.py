@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import SamplingParams, SpecserveError
+from specserve.core.sequence import RequestMetrics, Sequence
+from specserve.core.spec_stats import SpecStats
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import CompletionOutput, RequestOutput
-from specserve.engine.sequence import RequestMetrics, Sequence
-from specserve.spec_decode.metrics import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -341,14 +341,14 @@ class AsyncEngine:
                 live.stream.push(RequestFailed(message))
 
     def _publish_snapshot(self) -> None:
-        stats = self.engine.spec_stats
+        stats, spec = self.engine.spec_stats, self.engine.speculator
         self.snapshot = EngineSnapshot(
             num_running=len(self.engine.scheduler.running),
             num_waiting=len(self.engine.scheduler.waiting),
             num_used_blocks=self.engine.block_manager.num_used_blocks,
             num_blocks=self.engine.block_manager.num_blocks,
             spec=dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)),
-            calibration_ece=self.engine.calibration.ece_per_position(),
+            calibration_ece=spec.calibration.ece_per_position() if spec is not None else [],
         )
 
     def _log_stats_when_due(self) -> None:

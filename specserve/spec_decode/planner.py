@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.spec_decode.calibration import Recalibration
-from specserve.spec_decode.cost_model import CostProfile
-from specserve.spec_decode.drafters.base import DraftProposal
+from specserve.core.proposal import DraftProposal
+from specserve.spec_decode.calibration.online import Recalibration
+from specserve.spec_decode.cost_profile import CostProfile
 
 
 @dataclass

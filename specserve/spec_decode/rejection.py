@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specserve.config import SamplingParams
+from specserve.core.batch import verify_row_starts
 from specserve.layers.sampler import SamplingBatch, draw_exponential, draw_uniform, sample, target_probs
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -104,9 +105,9 @@ def rejection_sample(
         return RejectionOutput([], [], [], empty.bool(), empty)
 
     # Host-side index construction (one pass over requests); all math below is batched over rows.
-    row_start, draft_rows, draft_req, draft_pos, flat_drafts = [], [], [], [], []
+    row_start = verify_row_starts(ks)
+    draft_rows, draft_req, draft_pos, flat_drafts = [], [], [], []
     q_req, q_list, q_drafts, q_start = [], [], [], []  # requests with draft probabilities, their rows
-    row = 0
     for r, (drafts, q) in enumerate(zip(draft_token_ids, draft_probs, strict=True)):
         k = len(drafts)
         if q is not None and k:
@@ -114,12 +115,10 @@ def rejection_sample(
             q_list.append(q)
             q_start.append(len(q_drafts))
             q_drafts.extend(range(len(flat_drafts), len(flat_drafts) + k))
-        row_start.append(row)
-        draft_rows.extend(range(row, row + k))
+        draft_rows.extend(range(row_start[r], row_start[r] + k))
         draft_req.extend([r] * k)
         draft_pos.extend(range(k))
         flat_drafts.extend(int(d) for d in drafts)
-        row += k + 1
 
     def idx(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.model_runner import ModelRunner, PieceInput
 from specserve.models.base import CausalLM
 from specserve.spec_decode.deepspec.checkpoint import DraftModel
 from specserve.spec_decode.deepspec.dspark import DSparkDraftModel, dense_block_batch
 from specserve.train.anchors import Blocks, make_blocks, sample_anchors
+from specserve.worker.model_runner import ModelRunner, PieceInput
 
 
 @dataclass

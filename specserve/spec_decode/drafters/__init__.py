@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from specserve.config import SpeculativeConfig
-from specserve.spec_decode.drafters.base import Drafter, DraftProposal
+from specserve.spec_decode.context import TargetContext
+from specserve.spec_decode.drafters.base import Drafter
 
 
-def build_drafter(config: SpeculativeConfig, target) -> Drafter:
-    """`target` is the LLMEngine whose model the drafter serves (vocabulary, KV budget, dtype)."""
+def build_drafter(config: SpeculativeConfig, target: TargetContext) -> Drafter:
     if config.method == "ngram":
         from specserve.spec_decode.drafters.ngram import NgramDrafter
 
@@ -27,4 +27,4 @@ def build_drafter(config: SpeculativeConfig, target) -> Drafter:
     raise ValueError(f"no drafter for method {config.method!r}")
 
 
-__all__ = ["DraftProposal", "Drafter", "build_drafter"]
+__all__ = ["Drafter", "build_drafter"]

@@ -14,16 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.engine.kv_cache import BlockManager
-from specserve.engine.model_runner import ModelRunner, PieceInput
-from specserve.engine.sequence import Sequence
+from specserve.core.block_manager import BlockManager
+from specserve.core.proposal import DraftProposal, KeepDrafting
+from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
-from specserve.spec_decode.drafters.base import (
-    Drafter,
-    DraftProposal,
-    KeepDrafting,
-    sample_drafts,
-)
+from specserve.spec_decode.context import TargetContext
+from specserve.spec_decode.drafters.base import Drafter, sample_drafts
+from specserve.worker.model_runner import ModelRunner, PieceInput
 
 
 @dataclass
@@ -49,17 +46,17 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class DraftModelDrafter(Drafter):
     drafts_serially = True
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, target):
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype)
-        self.blocks = BlockManager(num_blocks, block_size)
+    def __init__(self, model, num_blocks: int, target: TargetContext):
+        self.runner = ModelRunner(model, num_blocks, target.block_size, target.torch_dtype)
+        self.blocks = BlockManager(num_blocks, target.block_size)
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
         self.states: dict[str, DraftState] = {}
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig, target) -> DraftModelDrafter:
+    def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> DraftModelDrafter:
         model, hf_config, tokenizer = load_model(
-            config.model, dtype=target.config.torch_dtype, quantization=config.quantization
+            config.model, dtype=target.torch_dtype, quantization=config.quantization
         )
         draft_vocab = getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size", None)
         if draft_vocab != target.vocab_size:
@@ -77,8 +74,7 @@ class DraftModelDrafter(Drafter):
             )
         # As many blocks as the target plus one per sequence: drafts run ahead of the target's reservation by
         # at most k - 1 tokens, so the draft cache can never run out while the target's has room.
-        num_blocks = target.block_manager.num_blocks + target.config.max_num_seqs
-        return cls(model, num_blocks, target.config.block_size, target.config.torch_dtype, target)
+        return cls(model, target.num_kv_blocks + target.max_num_seqs, target)
 
     def release(self, seq: Sequence) -> None:
         state = self.states.pop(seq.request_id, None)

@@ -18,16 +18,18 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.engine.sequence import Sequence
-from specserve.spec_decode.calibration import load_temperatures
+from specserve.core.proposal import DraftProposal
+from specserve.core.sequence import Sequence
+from specserve.spec_decode.calibration.offline import load_temperatures
+from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import DSparkConfig
 from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
-from specserve.spec_decode.drafters.base import DraftProposal, sample_drafts
+from specserve.spec_decode.drafters.base import sample_drafts
 from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, concat_rows
 
 
 class DSparkDrafter(HiddenStateDrafter):
-    def __init__(self, model: DSparkDraftModel, target):
+    def __init__(self, model: DSparkDraftModel, target: TargetContext):
         super().__init__(model, target, extra_tokens_per_request=model.config.block_size)
         self.block_size = model.config.block_size
         self.default_num_tokens = model.config.block_size
@@ -37,7 +39,7 @@ class DSparkDrafter(HiddenStateDrafter):
         self.temperatures = load_temperatures(directory) if directory is not None else None
 
     @classmethod
-    def from_config(cls, spec: SpeculativeConfig, target) -> DSparkDrafter:
+    def from_config(cls, spec: SpeculativeConfig, target: TargetContext) -> DSparkDrafter:
         model = cls.load(spec, target, DSparkConfig)
         config = model.config
         if spec.method == "dflash" and (config.markov_rank or config.confidence_head):

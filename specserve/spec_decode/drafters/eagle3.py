@@ -14,22 +14,24 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.sequence import Sequence
+from specserve.core.proposal import DraftProposal
+from specserve.core.sequence import Sequence
+from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import Eagle3Config
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
-from specserve.spec_decode.drafters.base import DraftProposal, sample_drafts
+from specserve.spec_decode.drafters.base import sample_drafts
 from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, concat_rows
 
 
 class Eagle3Drafter(HiddenStateDrafter):
-    def __init__(self, model: Eagle3DraftModel, target, max_num_tokens: int):
+    def __init__(self, model: Eagle3DraftModel, target: TargetContext, max_num_tokens: int):
         super().__init__(model, target, extra_tokens_per_request=max_num_tokens)
         self.default_num_tokens = model.config.ttt_length
         self.max_num_tokens = max_num_tokens
         self.eos_token_ids = set(target.eos_token_ids)
 
     @classmethod
-    def from_config(cls, spec: SpeculativeConfig, target) -> Eagle3Drafter:
+    def from_config(cls, spec: SpeculativeConfig, target: TargetContext) -> Eagle3Drafter:
         model = cls.load(spec, target, Eagle3Config)
         return cls(model, target, spec.num_speculative_tokens or model.config.ttt_length)
 

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.engine.kv_cache import BlockManager
-from specserve.engine.sequence import Sequence
+from specserve.core.block_manager import BlockManager
+from specserve.core.sequence import Sequence
 from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
 from specserve.layers.linear import pack_linears
 from specserve.layers.quant import quantize_model
+from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch, attention_geometry
 from specserve.spec_decode.drafters.base import Drafter
@@ -49,20 +50,20 @@ class HiddenStateDrafter(Drafter):
     """`observe` collects the target features of each position in order; a subclass's `propose` turns
     the pending rows into draft cache entries and drafts from them."""
 
-    def __init__(self, model, target, extra_tokens_per_request: int):
+    def __init__(self, model, target: TargetContext, extra_tokens_per_request: int):
         config = model.config
         self.model = model
         self.capture_layers = tuple(config.target_layer_ids)
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
-        cache_block = target.config.block_size
+        cache_block = target.block_size
         # Room for every context row the target can hold, plus the drafted rows of every running request.
         per_request = -(-extra_tokens_per_request // cache_block) + 1
-        num_blocks = target.block_manager.num_blocks + target.config.max_num_seqs * per_request
+        num_blocks = target.num_kv_blocks + target.max_num_seqs * per_request
         self.blocks = BlockManager(num_blocks, cache_block)
         geo = attention_geometry(config)
         shape = (num_blocks, cache_block, geo.num_kv_heads, geo.head_dim)
-        dtype = target.config.torch_dtype
+        dtype = target.torch_dtype
         self.caches = [
             KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(config.num_layers)
@@ -70,13 +71,11 @@ class HiddenStateDrafter(Drafter):
         self.states: dict[str, ContextState] = {}
 
     @staticmethod
-    def load(spec: SpeculativeConfig, target, config_type: type):
+    def load(spec: SpeculativeConfig, target: TargetContext, config_type: type):
         """The checkpoint's drafter, checked to be a `config_type` drafter, quantized if the config says so
         (its own layers only: modules it shares with the target are replaced, not changed) and packed for
         CPU inference."""
-        model = load_draft_checkpoint(
-            spec.model, target.model, target.model_config, dtype=target.config.torch_dtype
-        )
+        model = load_draft_checkpoint(spec.model, target.model, target.model_config, dtype=target.torch_dtype)
         if not isinstance(model.config, config_type):
             raise SpecserveError(
                 f"{spec.model}: a {model.config.architecture} drafter cannot run method {spec.method!r}"

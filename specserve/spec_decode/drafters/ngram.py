@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.engine.sequence import Sequence
-from specserve.spec_decode.drafters.base import Drafter, DraftProposal
+from specserve.core.proposal import DraftProposal
+from specserve.core.sequence import Sequence
+from specserve.spec_decode.drafters.base import Drafter
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

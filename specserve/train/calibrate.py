@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from specserve.config import SamplingParams, SpecserveError
-from specserve.spec_decode.calibration import (
+from specserve.spec_decode.calibration.offline import (
     VerificationRecords,
     calibration_report,
     fit_sts,
@@ -24,18 +24,18 @@ from specserve.spec_decode.calibration import (
 
 def calibrate(llm, prompts: list, params: SamplingParams, output_dir: str | Path | None = None) -> list[dict]:
     """Fit and save STS temperatures for `llm`'s drafter; returns the per-position report."""
-    engine = llm.engine
-    drafter = engine.drafter
+    speculator = llm.engine.speculator
+    drafter = speculator.drafter if speculator is not None else None
     if drafter is None or getattr(drafter.model, "confidence_head", None) is None:
         raise SpecserveError("calibration needs a drafter with a confidence head (method 'dspark')")
-    if engine.spec_config.verify_policy != "fixed":
+    if speculator.config.verify_policy != "fixed":
         raise SpecserveError("calibrate with verify_policy 'fixed': every draft must be verified")
     drafter.temperatures = None  # record the raw confidences
-    engine.verification_records = records = VerificationRecords()
+    speculator.verification_records = records = VerificationRecords()
     try:
         llm.generate(prompts, params, use_tqdm=True)
     finally:
-        engine.verification_records = None
+        speculator.verification_records = None
     if not records.logits:
         raise SpecserveError("no verification round recorded: give more prompts or more tokens")
     logits, lengths, accepted = records.arrays()

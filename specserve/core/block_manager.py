@@ -7,8 +7,13 @@ sequences share a block later (prefix caching); today every block has one owner.
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
-from specserve.engine.sequence import Sequence
+
+class HasBlockTable(Protocol):
+    """Whatever owns cache blocks: a target sequence, or a drafter's per-request state."""
+
+    block_table: list[int]
 
 
 class BlockManager:
@@ -28,28 +33,28 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_blocks)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+    def blocks_needed(self, seq: HasBlockTable, num_tokens: int) -> int:
         """Extra blocks `seq` needs so that its first `num_tokens` tokens have cache slots."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def can_grow(self, seq: HasBlockTable, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: HasBlockTable, num_tokens: int) -> None:
         """Give `seq` slots for its first `num_tokens` tokens (caller checked `can_grow`)."""
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block = self.free_blocks.popleft()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+    def shrink(self, seq: HasBlockTable, num_tokens: int) -> None:
         """Release the blocks past the first `num_tokens` tokens (rolling back rejected drafts)."""
         keep = -(-num_tokens // self.block_size)
         for block in seq.block_table[keep:]:
             self._release(block)
         del seq.block_table[keep:]
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: HasBlockTable) -> None:
         self.shrink(seq, 0)
 
     def _release(self, block: int) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.config import EngineConfig, SpecserveError
 from specserve.layers.attention import AttentionMetadata, KVCache
 from specserve.models.base import CausalLM
 
@@ -34,6 +35,21 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
         for s in model.cache_specs()
         if s.shared_with is None
     )
+
+
+def kv_cache_blocks(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
+    """Blocks of `config.block_size` tokens that `config.kv_cache_memory` holds, never more than the
+    running batch can fill: every sequence at max_model_len (plus a block of verification slack). The cache
+    is allocated (and zeroed) up front, so the cap saves real memory."""
+    num_blocks = config.kv_cache_bytes // kv_bytes_per_block(model, config.block_size, config.torch_dtype)
+    per_sequence = -(-max_model_len // config.block_size) + 1
+    num_blocks = min(num_blocks, config.max_num_seqs * per_sequence)
+    if num_blocks * config.block_size < max_model_len:
+        raise SpecserveError(
+            f"kv_cache_memory={config.kv_cache_memory!r} holds {num_blocks * config.block_size} tokens, "
+            f"fewer than max_model_len={max_model_len}; raise kv_cache_memory or lower max_model_len"
+        )
+    return num_blocks
 
 
 class ModelRunner:

@@ -1,4 +1,4 @@
-"""One request's state as it moves through the engine."""
+"""One request's state as it moves through the engine: its tokens, how many the KV cache holds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
-from specserve.spec_decode.metrics import SpecStats
+from specserve.core.spec_stats import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -63,8 +63,6 @@ class Sequence:
     output_text: str = ""
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
-    # Draft tokens proposed for the next step (a DraftProposal) and this request's speculative counters.
-    draft: object | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
 
     @property
@@ -82,3 +80,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark the request done ("stop" | "length" | "abort" | "error"); the scheduler frees its blocks."""
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finish_time = time.monotonic()
+        self.status = SequenceStatus.FINISHED

@@ -1,0 +1,94 @@
+"""Command-line pieces the subcommands share: the engine flags (one declaration for every command that
+loads a model) and value types."""
+
+from __future__ import annotations
+
+import argparse
+
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, SpeculativeConfig
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config` JSON, validated while parsing: a typo fails before any model loads."""
+    try:
+        return SpeculativeConfig.from_value(text)
+    except (SpecserveError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    model_help = "short name, local dir, .gguf file or hub id"
+    if model_positional:
+        parser.add_argument("model", help=model_help)
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context, capped at 8192"
+    )
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size, e.g. 512MiB or 2GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """`LLM(**engine_kwargs(args))` from the flags of `add_engine_args`."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        quantization=args.quantization,
+        speculative_config=args.speculative_config,
+        seed=args.seed,
+    )
+
+
+def add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = -1
+) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=top_p)
+    parser.add_argument("--top-k", type=int, default=top_k, help="-1: off")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """From the flags of `add_sampling_args` (and `--seed`)."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def named(items: list[str], option: str = "--drafter", value: str = "JSON") -> list[tuple[str, str]]:
+    """`option NAME=VALUE` values -> (name, value)."""
+    pairs = []
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not sep:
+            raise SpecserveError(f"{option} takes NAME={value}, got {item!r}")
+        pairs.append((name, rest))
+    return pairs

@@ -1,0 +1,107 @@
+"""One engine step as data: the scheduled pieces, where their rows lie in the flat batch and in the logits
+(computed once, `StepLayout`), and what sampling made of each piece (`PieceResult`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from specserve.core.proposal import DraftProposal
+from specserve.core.sequence import Sequence
+
+
+@dataclass
+class ScheduledPiece:
+    """`num_tokens` tokens of `seq` from position `start`, then the drafts of `draft` to verify."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    draft: DraftProposal | None = None
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft.token_ids) if self.draft is not None else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        own = self.seq.all_token_ids[self.start : self.start + self.num_tokens]
+        return own + self.draft.token_ids if self.draft is not None else own
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_tokens + self.num_drafts
+
+    @property
+    def reaches_end(self) -> bool:
+        """True when the piece covers the sequence's last token, so the step samples a new one."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+def verify_row_starts(num_drafts: Seq[int]) -> list[int]:
+    """The first of each request's k + 1 consecutive verify rows (its anchor, then one row per draft)."""
+    starts, row = [], 0
+    for k in num_drafts:
+        starts.append(row)
+        row += k + 1
+    return starts
+
+
+class StepLayout:
+    """Where each piece's rows lie (vLLM's SpecDecodeMetadata). Piece i's tokens are rows
+    `query_start[i]:query_start[i + 1]` of the flat batch. A piece that reaches its sequence's end samples:
+    its last k + 1 rows (the anchor and its k drafts) get logits, consecutive from `logit_start[i]`."""
+
+    def __init__(self, pieces: Seq[ScheduledPiece]):
+        self.num_tokens = [p.num_tokens for p in pieces]
+        self.num_drafts = [p.num_drafts for p in pieces]
+        self.query_start = [0]
+        for p in pieces:
+            self.query_start.append(self.query_start[-1] + p.num_query_tokens)
+        self.sampled = [i for i, p in enumerate(pieces) if p.reaches_end]
+        self.logit_start = dict(
+            zip(self.sampled, verify_row_starts([self.num_drafts[i] for i in self.sampled]))
+        )
+        self.logit_rows = [
+            row
+            for i in self.sampled
+            for row in range(self.query_start[i + 1] - self.num_drafts[i] - 1, self.query_start[i + 1])
+        ]
+        self.plain = [i for i in self.sampled if not self.num_drafts[i]]
+        self.verified = [i for i in self.sampled if self.num_drafts[i]]
+
+    def logit_rows_of(self, pieces: Seq[int]) -> list[int]:
+        """Rows of `logits` (not of the flat batch) that belong to `pieces`, k + 1 each, in order."""
+        return [
+            r
+            for i in pieces
+            for r in range(self.logit_start[i], self.logit_start[i] + self.num_drafts[i] + 1)
+        ]
+
+    def kept_rows(self, i: int, num_accepted: int) -> slice:
+        """Piece i's rows now in the target's KV cache: its own tokens and the accepted drafts."""
+        start = self.query_start[i]
+        return slice(start, start + self.num_tokens[i] + num_accepted)
+
+
+@dataclass
+class StepBatch:
+    """The scheduler's answer for one step: what runs, and what was preempted to make room."""
+
+    pieces: list[ScheduledPiece] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_query_tokens for p in self.pieces)
+
+
+@dataclass
+class PieceResult:
+    """What a sampling piece adds to its request: a sampled token, or its accepted drafts and the corrected
+    or bonus token. `num_emitted` is how many of them the request kept (fewer when a stop ends it)."""
+
+    token_ids: list[int]
+    num_accepted: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    num_emitted: int = 0

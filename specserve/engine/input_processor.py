@@ -1,0 +1,67 @@
+"""Requests in: a prompt (text, token ids or a dict) and its sampling parameters, validated completely and
+tokenized into a Sequence before anything of it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from specserve.config import SamplingParams, SpecserveError
+from specserve.core.sequence import Sequence
+
+PromptType = str | list[int] | Mapping[str, object]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        """Token ids, and the text when the prompt was text."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return self._check_token_ids(prompt["prompt_token_ids"]), None
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise SpecserveError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpecserveError("this model has no tokenizer: pass prompts as lists of token ids")
+            if not prompt:
+                raise SpecserveError("the prompt is empty")
+            return self.tokenizer(prompt).input_ids, prompt
+        if isinstance(prompt, list | tuple):
+            return self._check_token_ids(prompt), None
+        raise SpecserveError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _check_token_ids(self, ids) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            raise SpecserveError("the prompt is empty")
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+        ]
+        if bad:
+            raise SpecserveError(
+                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}"
+            )
+        return ids
+
+    def process(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise SpecserveError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        token_ids, text = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise SpecserveError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, so at most "
+                f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
+            )
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(request_id, token_ids, params, max_tokens, prompt=text, generator=generator)

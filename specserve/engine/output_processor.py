@@ -1,0 +1,69 @@
+"""Tokens out: each new token appended with its stop checks (stop strings through incremental
+detokenisation, stop token ids, end of sequence, max_tokens), and the RequestOutput updates users see."""
+
+from __future__ import annotations
+
+import time
+
+from specserve.core.batch import PieceResult
+from specserve.core.sequence import Sequence
+from specserve.engine.detokenizer import Detokenizer
+from specserve.engine.outputs import CompletionOutput, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int]):
+        self.detokenizer = Detokenizer(tokenizer)
+        self.eos_token_ids = eos_token_ids
+
+    def append(self, seq: Sequence, result: PieceResult) -> RequestOutput | None:
+        """Append a piece's new tokens up to the first that ends the request (`result.num_emitted` says
+        how many); the request's update, if it gained any."""
+        for i, token in enumerate(result.token_ids):
+            self._append_token(seq, token, result.logprobs[i] if result.logprobs else None)
+            result.num_emitted += 1
+            if seq.is_finished:
+                break
+        return self.output(seq) if result.token_ids else None
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = time.monotonic()
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        stop = self.detokenizer.update(seq)
+        if stop is not None:
+            seq.finish("stop", stop)
+        elif token in seq.params.stop_token_ids:
+            seq.finish("stop", token)
+        elif token in self.eos_token_ids and not seq.params.ignore_eos:
+            seq.finish("stop", token)
+        elif len(seq.output_token_ids) >= seq.max_tokens:
+            seq.finish("length")
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request as it stands, with what is new since its previous update."""
+        text = Detokenizer.emittable_text(seq)
+        delta_text = text[seq.num_emitted_chars :]
+        delta_tokens = seq.output_token_ids[seq.num_emitted_tokens :]
+        seq.num_emitted_chars, seq.num_emitted_tokens = len(text), len(seq.output_token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            error=seq.error,
+        )

@@ -1,0 +1,103 @@
+"""A step's logits -> each sampling piece's new tokens: plain rows sampled under the request's parameters,
+verification rows through lossless rejection sampling, and raw logprobs where the request asks for them."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.core.batch import PieceResult, ScheduledPiece, StepLayout, verify_row_starts
+from specserve.core.sequence import Sequence
+from specserve.layers.sampler import SampleOutput, SamplingBatch, raw_logprobs, sample
+from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
+
+
+class StepSampler:
+    def __init__(self, vocab_size: int, generator: torch.Generator):
+        self.vocab_size = vocab_size
+        self.generator = generator  # unseeded requests draw from the engine's generator
+
+    def __call__(
+        self, pieces: list[ScheduledPiece], layout: StepLayout, logits: torch.Tensor
+    ) -> list[PieceResult | None]:
+        """Per piece its result; None for a prompt chunk that does not reach its sequence's end."""
+        results: list[PieceResult | None] = [None] * len(pieces)
+        if layout.plain:
+            seqs = [pieces[i].seq for i in layout.plain]
+            for i, result in zip(
+                layout.plain, self._sample(seqs, logits[layout.logit_rows_of(layout.plain)])
+            ):
+                results[i] = result
+        if layout.verified:
+            verified = [pieces[i] for i in layout.verified]
+            for i, result in zip(
+                layout.verified, self._verify(verified, logits[layout.logit_rows_of(layout.verified)])
+            ):
+                results[i] = result
+        return results
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[PieceResult]:
+        batch = SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            self.vocab_size,
+            [s.generator for s in seqs],
+            generator=self.generator,
+        )
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        out = sample(logits, batch, num_logprobs=max(wanted) if wanted else None)
+        tokens = out.token_ids.tolist()
+        return [
+            PieceResult([token], 0, _logprobs(out, [i], seq.params.logprobs))
+            for i, (seq, token) in enumerate(zip(seqs, tokens))
+        ]
+
+    def _verify(self, pieces: list[ScheduledPiece], logits: torch.Tensor) -> list[PieceResult]:
+        seqs = [p.seq for p in pieces]
+        drafts = [p.draft for p in pieces]
+        batch = build_verify_batch(
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [d.token_ids for d in drafts],
+            self.vocab_size,
+            [s.generator for s in seqs],
+            generator=self.generator,
+        )
+        out = rejection_sample(logits, batch, [d.token_ids for d in drafts], [d.probs for d in drafts])
+        # A request's j-th new token was drawn from its j-th verify row; score those of requests that ask.
+        starts = verify_row_starts([len(d.token_ids) for d in drafts])
+        asking = [r for r, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        scored, first = None, {}
+        if asking:
+            rows, tokens = [], []
+            for r in asking:
+                first[r] = len(rows)
+                rows += range(starts[r], starts[r] + len(out.token_ids[r]))
+                tokens += out.token_ids[r]
+            scored = raw_logprobs(
+                logits[rows], torch.tensor(tokens), max(seqs[r].params.logprobs for r in asking)
+            )
+        results = []
+        for r, (seq, tokens) in enumerate(zip(seqs, out.token_ids)):
+            rows = range(first[r], first[r] + len(tokens)) if r in first else []
+            results.append(
+                PieceResult(tokens, out.num_accepted[r], _logprobs(scored, rows, seq.params.logprobs))
+            )
+        return results
+
+
+def _logprobs(scored: SampleOutput | None, rows, num_top: int | None) -> list[dict] | None:
+    """One {token: logprob} per row of `scored` (the chosen token first, then the top `num_top`), or None
+    when the request asked for none."""
+    if num_top is None:
+        return None
+    steps = []
+    for row in rows:
+        step = {int(scored.token_ids[row]): float(scored.logprobs[row])}
+        if num_top:
+            ids, values = scored.top_logprobs
+            for t, v in zip(ids[row, :num_top].tolist(), values[row, :num_top].tolist()):
+                step.setdefault(t, v)
+        steps.append(step)
+    return steps

@@ -1,0 +1,2 @@
+"""Calibration of draft confidences: offline (STS fitted on recorded rounds, reports and plots) and online
+(the engine's live monitor and recalibration)."""

@@ -1,0 +1,35 @@
+"""What speculative decoding knows of the engine it serves, handed over explicitly: drafters, planners and
+the cost profiler are built from this, never from the engine itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specserve.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class TargetContext:
+    model: CausalLM  # drafters may share its embedding and LM head, and read its layers' features
+    model_config: Any  # the target's text config
+    tokenizer: Any | None
+    model_name: str
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    block_size: int  # tokens per KV block, which drafters' own paged caches use too
+    num_kv_blocks: int  # the target's KV budget in blocks: drafters size their caches after it
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator  # unseeded requests draw from the engine's generator
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)

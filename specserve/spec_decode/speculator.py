@@ -1,0 +1,184 @@
+"""The drafting stage of an engine step, and what it learns from each verification.
+
+Before the target's forward, `propose` takes the requests whose next step is a decode step and the engine's
+load, has the drafter draft where the verify planner says drafting can pay, and returns the verify plan:
+per request the drafts the target checks this step. After the forward, `update` records what verification
+made of them (counters, live calibration, recalibration, the step log) and hands the drafter the target's
+features of exactly the rows now in the target's cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.core.batch import PieceResult, StepBatch, StepLayout
+from specserve.core.block_manager import BlockManager
+from specserve.core.proposal import DraftProposal
+from specserve.core.sequence import Sequence
+from specserve.core.spec_stats import SpecStats, StepRecord
+from specserve.spec_decode.calibration.offline import VerificationRecords
+from specserve.spec_decode.calibration.online import LiveCalibration, Recalibration
+from specserve.spec_decode.context import TargetContext
+from specserve.spec_decode.cost_profile import CostProfile, cached_profile, profile_key
+from specserve.spec_decode.drafters import build_drafter
+from specserve.spec_decode.planner import build_planner, survival
+from specserve.spec_decode.profiler import profile_costs
+from specserve.worker.model_runner import ModelRunner
+
+SCHEDULED_POLICIES = ("dspark", "dspark_async")
+
+
+@dataclass
+class VerifyPlan:
+    """One step's verification: the drafts per request id (requests without drafts are absent), and
+    what the planner expected of the decoding requests."""
+
+    drafts: dict[str, DraftProposal] = field(default_factory=dict)
+    budgets: list[int] = field(default_factory=list)  # drafts planned per decoding request
+    expected_accepted: float = 0.0  # the planner's predicted accepted drafts (sum of survival)
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: TargetContext,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+    ):
+        """`runner` and `block_manager` are the target's, read only to measure the cost profile."""
+        self.config = config
+        self.target = target
+        self.drafter = build_drafter(config, target)
+        self.num_draft_tokens = config.num_speculative_tokens or self.drafter.default_num_tokens
+        self.stats = SpecStats()
+        self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
+        self.recalibration = Recalibration()  # realised acceptance by position and raw confidence
+        self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
+        self.verification_records: VerificationRecords | None = None  # set to collect STS data
+        self.planner = build_planner(
+            config, self._cost_profile(runner, block_manager), self.num_draft_tokens, self.recalibration
+        )
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.drafter.capture_layers
+
+    def profile_key(self) -> dict:
+        return profile_key(self.target, self.config.model, self.num_draft_tokens)
+
+    def measure_profile(self, runner: ModelRunner, block_manager: BlockManager) -> CostProfile:
+        return profile_costs(self.target, runner, block_manager, self.drafter, self.num_draft_tokens)
+
+    def _cost_profile(self, runner: ModelRunner, block_manager: BlockManager) -> CostProfile | None:
+        """The SPS table the scheduled verify policies need: the configured file, else the cached
+        measurement for this model / dtype / threads / drafter, else measured now (and cached)."""
+        if self.config.verify_policy not in SCHEDULED_POLICIES:
+            return None
+        if self.config.cost_profile:
+            return CostProfile.load(self.config.cost_profile)
+        return cached_profile(self.profile_key(), lambda: self.measure_profile(runner, block_manager))
+
+    # ---- before the forward -----------------------------------------------------------------------------
+    def propose(self, decoding: list[Sequence], load: int) -> VerifyPlan | None:
+        """Drafts for the sequences whose next step is a decode step (one token not yet cached). `load`:
+        the requests running or waiting.
+
+        The planner weighs drafts against the step's decode tokens, and prices each request still in
+        prefill or waiting as one more: while requests queue, a second of drafting delays them all, so
+        engine time is worth the throughput of the load they make, not that of the few decoding (measured
+        at c = 64: the first request of a wave, alone, drafted 7 tokens a step for 0.9 s while 63 prompts
+        waited). The prompt chunks themselves are work done anyway: counted as tokens that emit nothing,
+        they made any step with a prefill look slow, and drafting look cheap."""
+        if not decoding:
+            return None
+        start = time.perf_counter()
+        base_tokens = min(load, self.target.max_num_seqs)
+        remaining = [
+            min(seq.max_tokens - len(seq.output_token_ids), self.target.max_model_len - seq.num_tokens)
+            for seq in decoding
+        ]
+        may_draft = self.planner.catch_up([self.drafter.backlog(s) for s in decoding], remaining, base_tokens)
+        if not any(may_draft) or (
+            not self.drafter.drafts_serially and not self.planner.draft_round(len(decoding), base_tokens)
+        ):
+            # A plain step. A drafter conditioned on the target's features keeps collecting them
+            # (`update`) and takes them all into its context at its next round.
+            plan = self.planner.plan([DraftProposal([]) for _ in decoding], base_tokens)
+            return VerifyPlan({}, plan.lengths, plan.expected_accepted)
+        keep_drafting = functools.partial(
+            self.planner.keep_drafting, base_tokens=base_tokens, may_draft=may_draft
+        )
+        proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)
+        self.stats.drafting_s += time.perf_counter() - start
+        # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
+        capped = [proposal.truncate(max(0, left - 1)) for proposal, left in zip(proposals, remaining)]
+        plan = self.planner.plan(capped, base_tokens)
+        drafts = {
+            seq.request_id: proposal.truncate(length)
+            for seq, proposal, length in zip(decoding, capped, plan.lengths)
+            if length
+        }
+        return VerifyPlan(drafts, plan.lengths, plan.expected_accepted)
+
+    # ---- after the forward ------------------------------------------------------------------------------
+    def update(
+        self,
+        plan: VerifyPlan | None,
+        batch: StepBatch,
+        layout: StepLayout,
+        results: list[PieceResult | None],
+        captured: dict[int, torch.Tensor],
+        verify_s: float,
+    ) -> None:
+        """What the step's verifications made of the drafts (`results[i]` of piece i; None where a prompt
+        chunk sampled nothing), and the target features of the kept rows (`captured`: the forward's layer
+        outputs, [N, H] each) for the drafter's next context."""
+        features = (
+            torch.cat([captured[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
+        )
+        verified = [i for i, piece in enumerate(batch.pieces) if piece.draft is not None]
+        if verified:
+            self.stats.verification_s += verify_s
+        for i in verified:
+            piece, result = batch.pieces[i], results[i]
+            self._record_verification(piece.draft, result.num_accepted)
+            # A stop inside the accepted drafts truncates the round there (DeepSpec's accounting).
+            accepted = min(result.num_accepted, result.num_emitted)
+            piece.seq.spec_stats.record(piece.num_drafts, accepted, result.num_emitted)
+            self.stats.record(piece.num_drafts, accepted, result.num_emitted)
+        for i, piece in enumerate(batch.pieces):
+            if piece.seq.is_finished:
+                self.drafter.release(piece.seq)
+            elif features is not None:
+                # The drafter's next context: the rows now in the target's cache, never rejected drafts.
+                accepted = results[i].num_accepted if results[i] is not None else 0
+                self.drafter.observe(piece.seq, piece.start, features[layout.kept_rows(i, accepted)])
+        if plan is not None:
+            self.step_log.append(
+                StepRecord(
+                    budgets=plan.budgets,
+                    batch_tokens=batch.num_tokens,
+                    expected_accepted=plan.expected_accepted,
+                    accepted=sum(results[i].num_accepted for i in verified),
+                )
+            )
+
+    def _record_verification(self, draft: DraftProposal, num_accepted: int) -> None:
+        """Live calibration (and STS records when collecting) from one verified proposal."""
+        self.recalibration.record(draft.slot_confidences(), num_accepted)
+        if draft.confidences is None:
+            return
+        self.calibration.record(survival(draft), num_accepted)
+        if self.verification_records is not None:
+            self.verification_records.add(torch.logit(draft.confidences.double(), eps=1e-12), num_accepted)
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` finished, was aborted or preempted: the drafter drops what it holds for it."""
+        self.drafter.release(seq)

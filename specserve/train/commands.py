@@ -1,0 +1,194 @@
+"""`specserve data regenerate | data target-cache | train | train-curves | calibrate`: building, training
+and calibrating drafters."""
+
+from __future__ import annotations
+
+import argparse
+
+from specserve.cli_args import (
+    DEFAULT_MODEL,
+    add_engine_args,
+    add_sampling_args,
+    engine_kwargs,
+    int_list,
+    named,
+    sampling_params,
+)
+from specserve.config import SamplingParams, SpecserveError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="drafter training data: regenerate answers, build the target cache")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="{regenerate,target-cache}")
+    regen = data_sub.add_parser("regenerate", help="the target answers prompts (DeepSpec JSONL, resumable)")
+    add_engine_args(regen)
+    regen.add_argument("--prompts", default=None, help="JSONL with 'turns' or 'conversations' rows")
+    regen.add_argument("--code-prompts", type=int, default=0, help="N prompts about local Python functions")
+    regen.add_argument("--output", required=True)
+    add_sampling_args(regen, max_tokens=512, temperature=0.7, top_p=0.8, top_k=20)
+    regen.add_argument("--batch-size", type=int, default=16)
+    regen.set_defaults(func=_data_regenerate)
+    tcache = data_sub.add_parser("target-cache", help="tokens, loss masks and target features, in shards")
+    tcache.add_argument("--model", default=DEFAULT_MODEL)
+    tcache.add_argument("--data", required=True, help="JSONL of conversations (from regenerate)")
+    tcache.add_argument("--output", required=True)
+    tcache.add_argument(
+        "--target-layer-ids", type=int_list, default=None, help="comma-separated; default: DFlash's rule"
+    )
+    tcache.add_argument("--max-length", type=int, default=4096)
+    tcache.add_argument("--min-loss-tokens", type=int, default=14)
+    tcache.set_defaults(func=_data_target_cache)
+
+    train = sub.add_parser("train", help="train a DSpark, DFlash or EAGLE-3 drafter from a target cache")
+    train.add_argument("--model", default=DEFAULT_MODEL, help="the target")
+    train.add_argument("--cache", required=True, help="directory from `specserve data target-cache`")
+    train.add_argument("--output", required=True, help="drafter directory (resumes if it holds a state)")
+    train.add_argument("--method", choices=("dspark", "dflash", "eagle3"), default="dspark")
+    train.add_argument("--layers", type=int, default=1)
+    train.add_argument("--block-size", type=int, default=7)
+    train.add_argument("--markov-rank", type=int, default=256)
+    train.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=None,
+        help="DSpark / DFlash: the draft layers' MLP width (default: the target's)",
+    )
+    train.add_argument("--mask-token-id", type=int, default=None)
+    train.add_argument("--steps", type=int, required=True)
+    train.add_argument("--batch-size", type=int, default=4)
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--num-anchors", type=int, default=128, help="per sequence: blocks / EAGLE-3 chains")
+    train.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3: training-time test steps")
+    train.add_argument("--num-samples", type=int, default=None, help="train on the cache's first N samples")
+    train.add_argument(
+        "--full-vocabulary",
+        action="store_true",
+        help="score every token in the losses (default: only those the data supervises, ~20x cheaper)",
+    )
+    train.add_argument(
+        "--init",
+        choices=("random", "target"),
+        default="random",
+        help="DSpark / DFlash draft layers: N(0, 0.02), or copies of the target layers after the deepest "
+        "captured one (the context projection then passes that layer's input through)",
+    )
+    train.add_argument("--checkpoint-every", type=int, default=200)
+    train.add_argument("--seed", type=int, default=42)
+    train.set_defaults(func=_train)
+
+    curves = sub.add_parser("train-curves", help="training runs' CE and tau against step, as one PNG")
+    curves.add_argument("--run", action="append", required=True, help="NAME=DIRECTORY of a run (repeat)")
+    curves.add_argument("--window", type=int, default=50, help="steps each point averages over")
+    curves.add_argument("--output", default="training-curves.png")
+    curves.set_defaults(func=_train_curves)
+
+    cal = sub.add_parser("calibrate", help="fit STS temperatures for a DSpark drafter's confidence head")
+    add_engine_args(cal)
+    cal.add_argument("--prompts", required=True, help="comma-separated JSONL files ({'turns': [...]} rows)")
+    cal.add_argument("--num-prompts", type=int, default=20, help="per file")
+    cal.add_argument("--max-tokens", type=int, default=256)
+    cal.add_argument("--temperature", type=float, default=1.0)
+    cal.add_argument("--output-dir", default=None, help="default: the drafter's checkpoint directory")
+    cal.set_defaults(func=_calibrate)
+
+
+def _data_regenerate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.train.data import code_prompts, read_prompts, regenerate
+
+    if bool(args.prompts) == bool(args.code_prompts):
+        raise SpecserveError("give one of --prompts FILE.jsonl or --code-prompts N")
+    llm = LLM(**engine_kwargs(args))
+    prompts = read_prompts(args.prompts) if args.prompts else code_prompts(args.code_prompts, seed=args.seed)
+    print(f"wrote {regenerate(llm, prompts, args.output, sampling_params(args), args.batch_size)}")
+    return 0
+
+
+def _data_target_cache(args: argparse.Namespace) -> int:
+    import json
+
+    from specserve.models.loader import load_model
+    from specserve.models.registry import text_config_of
+    from specserve.spec_decode.deepspec.config import default_target_layer_ids
+    from specserve.train.target_cache import build_target_cache
+
+    target, hf_config, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        raise SpecserveError(f"{args.model} has no tokenizer: the chat template gives the loss masks")
+    num_layers = text_config_of(hf_config).num_hidden_layers
+    layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers)
+    with open(args.data) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    conversations = [r["conversations"] for r in rows if r.get("status", "success") == "success"]
+    out = build_target_cache(
+        target,
+        tokenizer,
+        conversations,
+        layer_ids,
+        args.output,
+        args.model,
+        args.max_length,
+        args.min_loss_tokens,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    from specserve.train.run import train_drafter
+    from specserve.train.trainer import TrainConfig
+
+    config = TrainConfig(
+        total_steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_anchors=args.num_anchors,
+        seed=args.seed,
+    )
+    out = train_drafter(
+        args.model,
+        args.cache,
+        args.output,
+        args.method,
+        config,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        markov_rank=args.markov_rank,
+        mask_token_id=args.mask_token_id,
+        checkpoint_every=args.checkpoint_every,
+        ttt_length=args.ttt_length,
+        num_samples=args.num_samples,
+        full_vocabulary=args.full_vocabulary,
+        init=args.init,
+        intermediate_size=args.intermediate_size,
+    )
+    spec = json.dumps({"method": args.method, "model": str(out)})
+    print(f"drafter in {out}; use it with --speculative-config '{spec}'")
+    return 0
+
+
+def _train_curves(args: argparse.Namespace) -> int:
+    from specserve.train.curves import plot_curves, read_curve, summary
+
+    runs = [read_curve(name, run, args.window) for name, run in named(args.run, "--run", "DIRECTORY")]
+    print(summary(runs))
+    print(f"wrote {plot_curves(runs, args.output, args.window)}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.train.calibrate import calibrate, format_report
+    from specserve.train.data import read_prompts
+
+    llm = LLM(**engine_kwargs(args))
+    prompts = [
+        {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
+        for path in args.prompts.split(",")
+        for p in read_prompts(path)[: args.num_prompts]
+    ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    print(format_report(calibrate(llm, prompts, params, args.output_dir)))
+    return 0
