@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither" || true; }
 DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
-.PHONY: demo test lint install install-models
+.PHONY: demo test test-transformers-min lint install install-models
 
 $(BIN)/python:
 	python3 -m venv $(VENV)
@@ -32,3 +32,16 @@ lint: install
 
 test: lint
 	$(BIN)/pytest -q
+
+# The model parity tests on the oldest transformers release pyproject.toml allows, in a venv of their own.
+VENV_MIN := .venv-transformers-min
+TRANSFORMERS_MIN := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
+PARITY_TESTS := tests/test_rotary.py tests/test_gemma.py tests/test_qwen.py tests/test_dspark.py
+
+$(VENV_MIN)/.installed: pyproject.toml
+	python3 -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/pip install -q -e . pytest torch==2.13.0 transformers==$(TRANSFORMERS_MIN) $(PIP_QUIET)
+	touch $@
+
+test-transformers-min: $(VENV_MIN)/.installed
+	$(VENV_MIN)/bin/python -m pytest -q -p no:cacheprovider $(PARITY_TESTS)

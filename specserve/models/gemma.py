@@ -48,7 +48,7 @@ class LayerPlan:
     k_eq_v: bool
     kv_source: int
     intermediate_size: int
-    rope_config: object  # config view that the RoPE initialisers read (per-layer head_dim on Gemma 4)
+    rope_config: object  # config (view) whose rope_parameters the RoPE reads; head_dim above is its dim
 
 
 def plan_layers(config, gemma4: bool) -> list[LayerPlan]:
