@@ -83,6 +83,7 @@ def train_drafter(
                 markov_rank=markov_rank if heads else 0,
                 confidence_head=heads,
                 intermediate_size=intermediate_size,
+                num_anchors=train_config.num_anchors,
             )
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)

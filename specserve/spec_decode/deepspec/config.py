@@ -3,8 +3,9 @@
 A DeepSpec drafter config is the target's own config (its backbone dimensions) with the draft fields on top:
 `architectures` (`Qwen3DSparkModel` / `Gemma4DSparkModel` / `Qwen3Eagle3Model` / `Gemma4Eagle3Model`),
 `num_hidden_layers` (draft layers), `target_layer_ids`; DSpark adds `block_size`, `mask_token_id`,
-`markov_rank` (+ `markov_head_type`), `enable_confidence_head` (+ `confidence_head_with_markov`); DFlash
-checkpoints are the DSpark classes with rank 0 and no confidence head; EAGLE-3 adds `ttt_length`.
+`num_anchors`, `markov_rank` (+ `markov_head_type`), `enable_confidence_head` (+
+`confidence_head_with_markov`); DFlash checkpoints are the DSpark classes with rank 0 and no confidence head;
+EAGLE-3 adds `ttt_length`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _NOT_INHERITED = (
     "use_double_wide_mlp", "sliding_window", "use_sliding_window", "max_window_layers",
     "per_layer_config",  # transformers' per-layer view of the target's layer types; drafts are all global
 )  # fmt: skip
+NUM_ANCHORS = 512  # DeepSpec's training default (`num_anchors`), written when training did not say
 
 
 @dataclass
@@ -136,6 +138,9 @@ class DrafterConfig:
         if self.family == "gemma4":  # DeepSpec's transformers reads the global geometry from these keys
             out.pop("per_layer_config", None)
             out.update(global_attention_fields(self.backbone))
+            # Our draft layers have neither per-layer inputs nor MoE blocks; DeepSpec asserts both are off
+            # (without the key, transformers defaults the per-layer input width to 256).
+            out.update(hidden_size_per_layer_input=0, enable_moe_block=False)
         return out
 
 
@@ -151,6 +156,7 @@ class DSparkConfig(DrafterConfig):
 
     block_size: int = 7
     mask_token_id: int = 0
+    num_anchors: int = NUM_ANCHORS  # blocks per training sequence; DeepSpec's model requires it
     markov_rank: int = 0
     markov_head_type: str | None = None
     confidence_head: bool = False
@@ -160,6 +166,10 @@ class DSparkConfig(DrafterConfig):
     REQUIRED: ClassVar[tuple[str, ...]] = (
         "block_size", "mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
     )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if isinstance(self.markov_head_type, str):  # DeepSpec lower-cases it; we keep (and write) that form
+            self.markov_head_type = self.markov_head_type.lower()
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> DSparkConfig:
@@ -178,6 +188,7 @@ class DSparkConfig(DrafterConfig):
         return dict(
             block_size=raw["block_size"],
             mask_token_id=raw["mask_token_id"],
+            num_anchors=raw.get("num_anchors", NUM_ANCHORS),  # older specserve checkpoints lack it
             markov_rank=rank,
             markov_head_type=raw.get("markov_head_type") if rank else None,
             confidence_head=bool(raw["enable_confidence_head"]),
@@ -197,6 +208,11 @@ class DSparkConfig(DrafterConfig):
             f"mask_token_id {self.mask_token_id!r} is not in [0, vocab_size={self.vocab_size})",
         )
         _check(
+            isinstance(self.num_anchors, int) and self.num_anchors >= 1,
+            source,
+            f"num_anchors {self.num_anchors!r}",
+        )
+        _check(
             isinstance(self.markov_rank, int) and self.markov_rank >= 0,
             source,
             f"markov_rank {self.markov_rank!r}",
@@ -213,6 +229,7 @@ class DSparkConfig(DrafterConfig):
         out.update(
             block_size=self.block_size,
             mask_token_id=self.mask_token_id,
+            num_anchors=self.num_anchors,
             markov_rank=self.markov_rank,
             enable_confidence_head=self.confidence_head,
         )
@@ -317,7 +334,7 @@ def draft_backbone(
     for key in (*_NOT_INHERITED, "architectures", "model_type", "layer_types", "num_hidden_layers"):
         fields.pop(key, None)
     if family == "gemma4":
-        fields.update(global_attention_fields(target_config))
+        fields.update(global_attention_fields(target_config), hidden_size_per_layer_input=0)
     fields.update(
         num_hidden_layers=num_layers,
         layer_types=["full_attention"] * num_layers,
@@ -342,9 +359,11 @@ def new_draft_config(
     confidence_head: bool = True,
     confidence_with_markov: bool = True,
     intermediate_size: int | None = None,
+    num_anchors: int = NUM_ANCHORS,
 ) -> DSparkConfig:
     """A fresh DSpark config for a target (training starts here). DFlash: rank 0, no confidence head.
-    `intermediate_size`: the draft layers' MLP width (default: the target's)."""
+    `intermediate_size`: the draft layers' MLP width (default: the target's); `num_anchors`: blocks per
+    training sequence, recorded for DeepSpec."""
     if mask_token_id is None:
         raise SpecserveError(
             "mask_token_id is needed: an id whose embedding is never a real token (Qwen: the first unused "
@@ -357,6 +376,7 @@ def new_draft_config(
         target_layer_ids=target_layer_ids or default_target_layer_ids(target_config.num_hidden_layers),
         block_size=block_size,
         mask_token_id=mask_token_id,
+        num_anchors=num_anchors,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type if markov_rank else None,
         confidence_head=confidence_head,
