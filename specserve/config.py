@@ -181,6 +181,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3")
 # Methods whose `model` is a drafter checkpoint (DeepSpec format) that reads the target's hidden states.
 CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
 VERIFY_POLICIES = ("fixed", "threshold", "dspark", "dspark_async")
+THRESHOLD_SEMANTICS = ("specserve", "deepspec")
 
 
 @dataclass
@@ -193,6 +194,9 @@ class SpeculativeConfig:
     `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
     file `cost_profile`, or one measured at start and cached); with `live_recalibration` (the default)
     those read the drafter's confidences corrected by the acceptance the engine has seen so far.
+    `threshold_semantics: "deepspec"` makes `threshold` DeepSpec's exactly: the confidence head's raw
+    confidences (no STS temperatures), and a drafter without a head verifies its whole block
+    (docs/speculative-decoding.md lists every difference).
     `quantization` ("int8" | "int4") makes the drafter's linear layers weight-only quantized,
     independently of the target's.
     """
@@ -206,6 +210,7 @@ class SpeculativeConfig:
     confidence_threshold: float | None = None
     cost_profile: str | None = None
     live_recalibration: bool = True
+    threshold_semantics: str = "specserve"
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -230,6 +235,15 @@ class SpeculativeConfig:
             )
         else:
             _check(threshold is None, "confidence_threshold is only used with verify_policy 'threshold'")
+        _check(
+            self.threshold_semantics in THRESHOLD_SEMANTICS,
+            f"threshold_semantics must be one of {', '.join(THRESHOLD_SEMANTICS)}, "
+            f"got {self.threshold_semantics!r}",
+        )
+        _check(
+            self.threshold_semantics == "specserve" or self.verify_policy == "threshold",
+            "threshold_semantics 'deepspec' is only used with verify_policy 'threshold'",
+        )
         _check(
             isinstance(self.live_recalibration, bool),
             f"live_recalibration must be true or false, got {self.live_recalibration!r}",

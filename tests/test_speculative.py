@@ -3,11 +3,14 @@ drafts, metrics, and configuration errors."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
+from specserve.spec_decode.calibration.offline import save_temperatures
 from specserve.spec_decode.cost_profile import CostProfile
 from specserve.spec_decode.drafters.ngram import lookup
 from specserve.spec_decode.planner import ScheduledPlanner
@@ -154,6 +157,33 @@ def test_dspark_greedy_equals_greedy_decoding(name, target_dir, reference, draft
     drafter = llm.engine.speculator.drafter
     assert drafter.states == {} and drafter.blocks.num_used_blocks == 0
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_deepspec_threshold_semantics(target_dir, drafter_dirs, tmp_path):
+    """`threshold_semantics: "deepspec"` thresholds the head's raw confidences (an STS file beside the
+    drafter changes nothing) and verifies a headless drafter's whole block; specserve's default reads the
+    calibrated confidences, and a DFlash drafter's peak probabilities."""
+    prompts = repetitive_prompts(3, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def budgets(spec):
+        llm = LLM(target_dir, max_model_len=128, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        return [r.budgets for r in llm.engine.speculator.step_log]
+
+    expected = [o.outputs[0].token_ids for o in LLM(target_dir, max_model_len=128).generate(prompts, params)]
+    raw = drafter_dirs("qwen3", "vanilla")
+    calibrated = shutil.copytree(raw, tmp_path / "calibrated")
+    save_temperatures([100.0] * 4, calibrated)  # every calibrated confidence ~0.5
+    threshold = {"method": "dspark", "verify_policy": "threshold", "confidence_threshold": 0.45}
+    raw_budgets = budgets(threshold | {"model": raw})
+    assert budgets(threshold | {"model": str(calibrated), "threshold_semantics": "deepspec"}) == raw_budgets
+    assert budgets(threshold | {"model": str(calibrated)}) != raw_budgets
+
+    dflash = {"method": "dflash", "model": drafter_dirs("qwen3", "dflash"), "verify_policy": "threshold"}
+    dflash["confidence_threshold"] = 0.9  # above every peak probability of this random drafter
+    assert not any(map(any, budgets(dflash)))
+    assert max(map(max, budgets(dflash | {"threshold_semantics": "deepspec"}))) == 4  # the block size
 
 
 @pytest.mark.parametrize("arch", ["gemma4", "qwen2", "qwen3_moe"])
@@ -378,6 +408,8 @@ def test_ngram_lookup():
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ({"method": "ngram", "lookahead": 2}, "unknown speculative config keys"),
         ({"method": "ngram", "live_recalibration": "yes"}, "live_recalibration must be true or false"),
+        ({"method": "ngram", "threshold_semantics": "deepspec"}, "only used with verify_policy 'threshold'"),
+        ({"method": "ngram", "threshold_semantics": "vllm"}, "threshold_semantics must be one of"),
         ('{"method": ', "not valid JSON"),
     ],
 )

@@ -357,11 +357,14 @@ def build_planner(
     profile: CostProfile | None,
     num_tokens: int,
     recalibration: Recalibration | None = None,
+    confidence_head: bool = True,
 ) -> VerifyPlanner:
     """`num_tokens`: the draft length of each round (what the profile's drafting rounds drafted);
     `recalibration`: the engine's outcome table, which the scheduled policies read when the config
-    enables `live_recalibration`."""
+    enables `live_recalibration`; `confidence_head`: whether the drafter has one."""
     if config.verify_policy == "threshold":
+        if config.threshold_semantics == "deepspec" and not confidence_head:
+            return FixedPlanner()  # DeepSpec thresholds a confidence head only: the whole block
         return ThresholdPlanner(config.confidence_threshold)
     if config.verify_policy in ("dspark", "dspark_async"):
         assert profile is not None, "the scheduled policies need a cost profile"

@@ -63,7 +63,11 @@ class Speculator:
         self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
         self.verification_records: VerificationRecords | None = None  # set to collect STS data
         self.planner = build_planner(
-            config, self._cost_profile(runner, block_manager), self.num_draft_tokens, self.recalibration
+            config,
+            self._cost_profile(runner, block_manager),
+            self.num_draft_tokens,
+            self.recalibration,
+            self.drafter.has_confidence_head,
         )
 
     @property

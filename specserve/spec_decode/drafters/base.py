@@ -23,6 +23,8 @@ class Drafter:
 
     capture_layers: tuple[int, ...] = ()
     default_num_tokens: int = 3
+    # A confidence head estimates each draft's survival; without one, confidences are peak probabilities.
+    has_confidence_head: bool = False
     # Serial drafters ask `keep_drafting` before each draft step; the others draft a round at once and the
     # engine asks the verify planner before it whether the step drafts at all.
     drafts_serially: bool = False

@@ -29,14 +29,15 @@ from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, con
 
 
 class DSparkDrafter(HiddenStateDrafter):
-    def __init__(self, model: DSparkDraftModel, target: TargetContext):
+    def __init__(self, model: DSparkDraftModel, target: TargetContext, calibrated: bool = True):
         super().__init__(model, target, extra_tokens_per_request=model.config.block_size)
         self.block_size = model.config.block_size
         self.default_num_tokens = model.config.block_size
         self.mask_token_id = model.config.mask_token_id
+        self.has_confidence_head = model.confidence_head is not None
         directory = getattr(model, "checkpoint_dir", None)
         # STS temperatures per position (`specserve calibrate`); None: the raw confidences.
-        self.temperatures = load_temperatures(directory) if directory is not None else None
+        self.temperatures = load_temperatures(directory) if calibrated and directory is not None else None
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, target: TargetContext) -> DSparkDrafter:
@@ -54,7 +55,7 @@ class DSparkDrafter(HiddenStateDrafter):
                 f"num_speculative_tokens={k} exceeds the drafter's block_size={config.block_size} "
                 "(a block of B slots drafts at most B tokens)"
             )
-        return cls(model, target)
+        return cls(model, target, calibrated=spec.threshold_semantics != "deepspec")
 
     def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
         num_tokens = min(num_tokens, self.block_size)
