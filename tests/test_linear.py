@@ -1,5 +1,6 @@
 import gc
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +15,19 @@ pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built with
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+BATCH_SIZES = [*range(2, 17), 64]  # verification batches, and a prefill chunk sharing a call with decode rows
+
+
+def assert_batch_invariant(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int) -> None:
+    """Row i of every M-row call is bitwise the row computed alone (M = 1): greedy speculation needs it."""
+    x = torch.randn(max(BATCH_SIZES), in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        for m in BATCH_SIZES:
+            y = layer(x[:m])
+            assert torch.equal(y, alone[:m]), f"M = {m}: rows off by up to {(y - alone[:m]).abs().max():.2g}"
 
 
 @pytest.mark.parametrize("in_features,out_features", [(64, 48), (257, 130), (1536, 256)])
@@ -35,6 +49,31 @@ def test_matches_f_linear(in_features, out_features, bias):
                 assert _rel_err(y, ref) < 1e-4, tuple(x.shape)
 
 
+@pytest.mark.parametrize(
+    "in_features,out_features,bias", [(64, 48, False), (64, 256, True), (257, 130, True), (1536, 256, False)]
+)
+def test_rows_do_not_depend_on_the_rest_of_the_call(in_features, out_features, bias):
+    torch.manual_seed(0)
+    assert_batch_invariant(PackedLinear(nn.Linear(in_features, out_features, bias=bias)), in_features)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 48), (257, 130)])
+def test_bf16_linear_is_batch_invariant(in_features, out_features):
+    """`dtype="bfloat16"` keeps nn.Linear (not packed): its F.linear must be invariant as well."""
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, out_features).to(torch.bfloat16)
+    assert_batch_invariant(lambda x: dense(x.to(torch.bfloat16)), in_features)
+
+
+def test_small_layers_are_packed_by_default():
+    """A MoE router or a tiny model's head: left to F.linear, its rows would depend on the batch."""
+    model = nn.ModuleDict({"router": nn.Linear(64, 8), "gate": nn.Linear(96, 1), "head": nn.Linear(64, 256)})
+    assert pack_linears(model, enabled=True) == 3
+    for name, layer in model.items():
+        assert isinstance(layer, PackedLinear), name
+        assert_batch_invariant(layer, layer.in_features)
+
+
 def test_weight_and_bias_read_like_nn_linear():
     dense = nn.Linear(96, 80)
     packed = PackedLinear(dense)
@@ -45,6 +84,17 @@ def test_weight_and_bias_read_like_nn_linear():
     assert torch.equal(packed.state_dict()["weight"], dense.weight)
     x = torch.randn(2, 96)  # outside no_grad too (parameters require grad)
     assert _rel_err(packed(x).detach(), F.linear(x, dense.weight, dense.bias).detach()) < 1e-4
+
+
+def test_gradients_flow_as_through_nn_linear():
+    """oneDNN's op has no autograd: an input that needs a gradient takes F.linear."""
+    dense = nn.Linear(64, 48)
+    packed = PackedLinear(dense)
+    x = torch.randn(3, 64, requires_grad=True)
+    packed(x).square().sum().backward()
+    grad, x.grad = x.grad, None
+    dense(x).square().sum().backward()
+    torch.testing.assert_close(grad, x.grad)
 
 
 def test_state_dict_load_repacks():

@@ -123,7 +123,7 @@ def test_init_from_target_layers_reads_the_context_as_the_next_target_layer(arch
         torch.testing.assert_close(model.project_context(features), next_layer.input_layernorm(h1))
         torch.testing.assert_close(model.norm(h1), target.model.norm(h1))
     if arch == "qwen3":  # same layer layout: every tensor is the target's
-        twins = dict(next_layer.named_parameters())
+        twins = next_layer.state_dict()  # a packed linear's weight is in its state dict, not a parameter
         for name, param in model.layers[0].named_parameters():
             torch.testing.assert_close(param, twins[name], msg=name)
 

@@ -15,6 +15,9 @@ Noise: on this shared 2-core VM, memory bandwidth also depends on neighbours, so
 is busy, every multi-threaded call (oneDNN always; MKL at M > 1) waits out a scheduler slice with libgomp's
 default spin-wait policy: ~7.7 ms per call, whatever its size. Run it on a quiet machine, or with
 `OMP_WAIT_POLICY=PASSIVE`, which removes those stalls.
+
+`--invariance` prints instead, for every kernel the engine may use (fp32, bf16, int4, int8), whether a row of
+an M-row call is bitwise the row computed alone, at the same shapes (see layers/linear.py, layers/quant.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.linear import onednn_linear, onednn_linear_padded, onednn_pack
+from specserve.layers.quant import Int4Linear, Int8Linear, group_size_for, quantize_int4, quantize_int8
 
 # (name, in_features, out_features) of Qwen2.5-Coder-1.5B's linear layers
 QWEN_1_5B_SHAPES = [
@@ -94,6 +98,38 @@ def bench_shape(
     return results
 
 
+def _invariance_kernels(weight: torch.Tensor) -> dict[str, Kernel]:
+    blocked, bf16 = onednn_pack(weight), weight.to(torch.bfloat16)
+    kernels = {
+        "F.linear fp32": lambda x: F.linear(x, weight),
+        "onednn blocked": lambda x: onednn_linear(x, blocked, None),
+        "PackedLinear": lambda x: onednn_linear_padded(x, blocked, None),
+        "F.linear bf16": lambda x: F.linear(x.to(torch.bfloat16), bf16),
+    }
+    group = group_size_for(weight.shape[1], weight.shape[0])
+    if group is not None:
+        int4, int8 = Int4Linear(*quantize_int4(weight, group)), Int8Linear(*quantize_int8(weight, group))
+        kernels.update(
+            {"int4": int4, "int8 coarse": int8.coarse, "int8 residual": int8.residual, "int8": int8}
+        )
+    return kernels
+
+
+def invariance_report(in_features: int, out_features: int, m_values: list[int]) -> list[str]:
+    """One line per kernel: the M at which some row differs from that row computed alone, and by how much."""
+    weight = torch.randn(out_features, in_features) / in_features**0.5
+    x = torch.randn(max(m_values), in_features)
+    lines = []
+    with torch.inference_mode():
+        for name, kernel in _invariance_kernels(weight).items():
+            alone = torch.cat([kernel(x[i : i + 1]) for i in range(len(x))]).float()
+            bad = {m: (kernel(x[:m]).float() - alone[:m]).abs().max().item() for m in m_values}
+            bad = {m: d for m, d in bad.items() if d > 0}
+            verdict = f"differs at M = {sorted(bad)}, up to {max(bad.values()):.2g}" if bad else "invariant"
+            lines.append(f"  {name:<15} {verdict}")
+    return lines
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -132,17 +168,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--bias", action="store_true", help="time with a bias (q/k/v in Qwen have one)")
+    parser.add_argument("--invariance", action="store_true", help="check batch invariance instead of timing")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    extra = [(spec, *map(int, spec.split(":"))) for spec in args.extra]
+    shapes = [s for s in QWEN_1_5B_SHAPES if s[0] in args.shapes] + extra
+    if args.invariance:
+        isa = torch.backends.cpu.get_cpu_capability()
+        print(
+            f"torch {torch.__version__}, {isa}, {torch.get_num_threads()} threads; M-row calls vs rows alone"
+        )
+        for name, k, n in shapes:
+            print(f"{name} {k}->{n}", *invariance_report(k, n, args.m), sep="\n", flush=True)
+        return
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load}")
     print(packed_memory_report())  # first, before the timing loops leave freed memory in the heap
     print(_environment_note())
     print("ms per call: median [min] of rounds; GB/s = weight bytes / min time (best achieved)")
-    extra = [(spec, *map(int, spec.split(":"))) for spec in args.extra]
-    for name, k, n in [s for s in QWEN_1_5B_SHAPES if s[0] in args.shapes] + extra:
+    for name, k, n in shapes:
         results = bench_shape(k, n, args.m, args.rounds, args.bias)
         kernels = list(next(iter(results.values())))
         gb = k * n * 4 / 1e9

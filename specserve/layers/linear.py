@@ -12,6 +12,21 @@ The batch-size hint of the reorder picks the layout: 1 keeps the plain [out, in]
 blocked one, which is faster from M = 3 on. The blocked kernels are slow at M = 1, 2, so fewer than 4 rows
 are zero-padded to 4: that costs nothing measurable while the weight read dominates, and beats both.
 
+Batch invariance: a row's output is bitwise the same whatever other rows share the call, which is what
+makes greedy speculation equal greedy decoding (a token verified among others must get the logits it gets
+decoded alone). oneDNN's brgemm matmul, its kernel on AVX2 and on AVX-512, gives each output element its
+own accumulator and sums K in blocks whose size depends on K alone (1024 on AVX2; 512 or 1024 on AVX-512);
+M only decides how rows are grouped, and K is split across threads only for K >= 20000 with M, N <= 512
+and fewer N blocks than threads (oneDNN 3.12, brgemm_matmul_utils.cpp), no linear of the models served.
+torch's `F.linear` (MKL sgemm) is not invariant: a gemv at M = 1, and at M >= 2 a row's result depends on
+M and on its position (up to 3e-5 apart at 8960 -> 1536). So `pack_linears` packs every fp32 linear,
+however small (a MoE router, a tiny model's head): for invariance there, not speed. That costs time at
+M = 1 only, where MKL runs a single-threaded gemv: 8-25 us a call against oneDNN's 70-120 us here under
+load (64 -> 64 to 2048 -> 60), about even from M = 4. Every linear of Qwen2.5 and Gemma 3 is >= 128 wide
+and was packed already; MoE routers of < 128 experts, shared-expert gates and tiny test models pay it.
+Without AVX2 oneDNN falls back to its jit GEMM, whose M = 1 path is a gemv as well: the padding to 4 rows
+keeps it off it. The tests check rows of M = 2..16 and 64 against M = 1 on the machine they run on.
+
 Memory: the packed copy has the dense weight's size. `pack_linears` drops the dense copy when nothing else
 in the model shares it, so memory does not grow; reading `.weight` then unpacks a fresh dense tensor (slow,
 for inspection only). A weight that another module shares (an lm_head tied to the embedding) stays
@@ -23,7 +38,8 @@ Threads: oneDNN runs every call on all torch threads. With libgomp's default spi
 process on this 2-core machine makes each call wait out a scheduler slice (~7.7 ms per call, whatever its
 size); `OMP_WAIT_POLICY=PASSIVE`, set before torch is imported, avoids that (see the benchmark's notes).
 
-Set `SPECSERVE_LINEAR=torch` (or pass `enabled=False`) to keep plain nn.Linear, e.g. to compare.
+Set `SPECSERVE_LINEAR=torch` (or pass `enabled=False`) to keep plain nn.Linear, e.g. to compare: that gives
+up batch invariance.
 """
 
 from __future__ import annotations
@@ -40,7 +56,8 @@ BACKENDS = ("onednn", "torch")
 
 
 PACK_BATCH_HINT = 64  # any hint > 1 gives the blocked layout (AB16b64a here); 1 keeps the plain one
-MIN_ROWS = 4  # blocked kernels at M = 1, 2 are slower than at M = 4: pad up to this
+MIN_ROWS = 4  # blocked kernels at M = 1, 2 are slower than at M = 4: pad up to this (it also keeps
+# oneDNN's jit GEMM, used without AVX2, off its M = 1 gemv path, which is not batch invariant)
 
 
 def onednn_pack(weight: torch.Tensor, batch_size_hint: int = PACK_BATCH_HINT) -> torch.Tensor:
@@ -92,6 +109,7 @@ class PackedLinear(nn.Module):
     `weight` reads as the dense [out, in] weight: the shared Parameter when `keep_weight` (a tied weight),
     else a fresh unpacked copy on every read (the dense copy is not kept). `bias` is the original
     Parameter. The state dict holds the dense `weight`/`bias`, as nn.Linear's does; loading one repacks.
+    An input that requires grad (while grad is enabled) takes `F.linear` on `weight`, so gradients are right.
     In-place edits of the shared Parameter do not reach the packed copy: pack after loading.
     """
 
@@ -116,7 +134,10 @@ class PackedLinear(nn.Module):
         return self._packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        # oneDNN's op has no autograd: a backward through it (a drafter trained through a shared target
+        # head) would get silently wrong gradients, so an input that needs one goes through F.linear.
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        if x.dtype != torch.float32 or x.device.type != "cpu" or needs_grad:
             bias = None if self.bias is None else self.bias.to(x)
             return F.linear(x, self.weight.to(x), bias)
         return onednn_linear_padded(x, self._packed, self.bias)
@@ -154,12 +175,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(
-    model: nn.Module, min_features: int = 128, pack_tied: bool = True, enabled: bool | None = None
+    model: nn.Module, min_features: int = 1, pack_tied: bool = True, enabled: bool | None = None
 ) -> int:
     """Replace, in place, every CPU fp32 nn.Linear in `model` by a PackedLinear; returns how many.
 
-    Call after the weights are loaded and tied. Layers with fewer than `min_features` inputs or outputs
-    (e.g. a MoE router) stay nn.Linear: there the per-call overhead dominates and packing buys nothing.
+    Call after the weights are loaded and tied. Small layers (a MoE router, a tiny model's head) are packed
+    too, for batch invariance (`F.linear` is not invariant; see the module docstring); layers with fewer than
+    `min_features` inputs or outputs stay nn.Linear.
     A weight shared with another parameter of the model (tied lm_head) stays referenced and gets a packed
     copy too (extra memory) unless `pack_tied=False`. `enabled=None` reads `$SPECSERVE_LINEAR`.
     """

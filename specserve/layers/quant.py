@@ -45,8 +45,17 @@ per weight, per block of 4 rows: its cost grows with M faster than oneDNN's GEMM
 weights in int4 and multiplies in integers (llama.cpp quantizes activations to 8 bits and uses VNNI dot
 products) is what would close the gap; torch has none for x86. Each path was chosen by these numbers: int4
 is faster than fp32 up to M = 8, about even at 16, 0.75-0.8x at prefill sizes, so it serves every M;
-int8 is faster up to M ~ 3 and is the accurate option. Both are batch invariant: a row's output does not
-depend on the other rows of the call (the tests check it), so greedy speculation stays exact.
+int8 is faster up to M ~ 3 and is the accurate option.
+
+Both are batch invariant: a row's output is bitwise the same whatever other rows share the call, so
+greedy speculation stays exact. By construction: the kernel runs tiles of 4 rows x 64 columns (32 on
+AVX2), in parallel over tiles only; each output element has its own fp32 accumulator, summed over K in
+order with the same dequantized weights whatever the tile's row count (1-4 rows only changes how many
+rows share one dequantization). That holds for its AVX-512, AVX2 and scalar instantiations alike; int8
+adds its two planes elementwise. The layers left fp32 (int8's head, MoE routers, weights the kernel cannot
+take) rely on `pack_linears` packing them, however small: `F.linear` is not invariant (linear.py). The
+input's rounding to bf16 hides most last-bit differences from the layers before, and turns the rest into
+2^-8 ones: everything around these layers must be batch invariant as well.
 """
 
 from __future__ import annotations
@@ -64,7 +73,8 @@ DEFAULT_GROUP_SIZE = 32
 N_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
 COMPUTE_DTYPE = torch.bfloat16  # the kernel's vectorized instantiation on x86 (see the module docstring)
 # The LM head's output is rounded to bf16 by the kernel: logits of ~20 lose ~0.06, enough to reorder near
-# ties. int8 keeps the head fp32 for its accuracy; int4 quantizes it for speed (it is 15% of the weights).
+# ties. int8 keeps the head fp32 for its accuracy (packed by `pack_linears`, batch invariant); int4 quantizes
+# it for speed (it is 15% of the weights).
 QUANTIZE_HEAD = {"int8": False, "int4": True}
 # MoE routers stay fp32: a rounding error there changes which experts run (llama.cpp keeps them F32 too).
 ROUTER_SUFFIXES = ("mlp.gate", "router.proj")
