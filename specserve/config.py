@@ -177,7 +177,7 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3", "mtp")
 # Methods whose `model` is a drafter checkpoint (DeepSpec format) that reads the target's hidden states.
 CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
 VERIFY_POLICIES = ("fixed", "threshold", "dspark", "dspark_async")
@@ -188,8 +188,9 @@ THRESHOLD_SEMANTICS = ("specserve", "deepspec")
 class SpeculativeConfig:
     """Speculative decoding settings; the JSON keys are vLLM's (`--speculative-config '{...}'`).
 
-    `num_speculative_tokens` defaults to 3 for ngram / draft_model and to the block size for DSpark-type
-    drafters. `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
+    `num_speculative_tokens` defaults to 3 for ngram / draft_model, to the block size for DSpark-type
+    drafters and to 1 for `mtp` (the target's own multi-token-prediction layer, applied recursively).
+    `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
     `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`),
     `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
     file `cost_profile`, or one measured at start and cached); with `live_recalibration` (the default)
@@ -259,6 +260,10 @@ class SpeculativeConfig:
             _check(
                 bool(self.model),
                 f"method {self.method!r} needs 'model': a drafter checkpoint directory or hub id",
+            )
+        if self.method == "mtp":
+            _check(
+                self.model is None, "method 'mtp' drafts with the target's own mtp.* layer: give no 'model'"
             )
         if self.method == "ngram":
             _check(

@@ -63,6 +63,7 @@ def fake_target(block_size=4, greedy_generator_seed=0) -> TargetContext:
         model_config=SimpleNamespace(vocab_size=VOCAB),
         tokenizer=None,
         model_name="unused",
+        model_dir="unused",
         dtype="float32",
         block_size=block_size,
         num_kv_blocks=64,

@@ -49,6 +49,49 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
 ARCHS = list(_configs())
 
 
+def _hybrid_configs() -> dict[str, transformers.PretrainedConfig]:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text models: [linear, full, linear] layers, 2 key heads serving
+    4 value heads in the linear layers (conv_dim 128), partial RoPE on a head dim of 32."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    # Multimodal RoPE sections (temporal, height, width) over the 4 rotated frequencies, as Qwen3.5 ships.
+    mrope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    )
+    return {
+        "qwen3_5": transformers.Qwen3_5TextConfig(
+            **common, intermediate_size=96, rope_parameters={**mrope, "mrope_interleaved": True}
+        ),
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig(
+            **common, **moe, rope_parameters={**mrope, "mrope_interleaved": True}
+        ),
+        "qwen3_next": transformers.Qwen3NextConfig(
+            **common, **moe, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1]
+        ),
+    }
+
+
+# Hybrid (linear-attention) architectures: build_reference / save_tiny_model take these names too.
+HYBRID_ARCHS = list(_hybrid_configs())
+
+
 def _model_class(arch: str):
     return {
         "qwen2": transformers.Qwen2ForCausalLM,
@@ -56,13 +99,17 @@ def _model_class(arch: str):
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "gemma4": transformers.Gemma4ForCausalLM,
+        "qwen3_5": transformers.Qwen3_5ForCausalLM,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
+        "qwen3_next": transformers.Qwen3NextForCausalLM,
     }[arch]
 
 
 def build_reference(arch: str, seed: int = 0):
     """A transformers model with all parameters randomised (norm weights included), in eval mode."""
     torch.manual_seed(seed)
-    model = _model_class(arch)(_configs()[arch]).eval()
+    config = _configs()[arch] if arch in ARCHS else _hybrid_configs()[arch]
+    model = _model_class(arch)(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2 if p.dim() == 1 else 0.08)
@@ -161,3 +208,25 @@ def save_tiny_chat_model(arch: str, directory: Path) -> Path:
     """A tiny random model with the byte tokenizer beside it: text prompts and chat work."""
     save_tiny_model(arch, directory)
     return save_byte_tokenizer(directory)
+
+
+def save_tiny_mtp(target_dir: Path, seed: int = 0, output_scale: float | None = None) -> Path:
+    """Random `mtp.*` tensors (a multi-token-prediction layer) for a saved tiny hybrid target, in a
+    safetensors file of their own beside its weights, as released checkpoints carry them.
+    `output_scale` sets the (zero-centred) final norm's scale: small values give flat drafts."""
+    from safetensors.torch import save_file
+
+    from specserve.models.loader import load_hf_config
+    from specserve.models.qwen3_next import MultiTokenPredictor
+    from specserve.models.registry import text_config_of
+
+    torch.manual_seed(seed)
+    predictor = MultiTokenPredictor(text_config_of(load_hf_config(Path(target_dir))))
+    with torch.no_grad():
+        for p in predictor.parameters():
+            p.normal_(0.0, 0.2 if p.dim() == 1 else 0.08)
+        if output_scale is not None:
+            predictor.norm.weight.fill_(output_scale - 1.0)
+    tensors = {f"mtp.{name}": t.contiguous() for name, t in predictor.state_dict().items()}
+    save_file(tensors, str(Path(target_dir) / "mtp.safetensors"))
+    return Path(target_dir)

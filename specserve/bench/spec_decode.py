@@ -77,10 +77,14 @@ class CachedContext:
         self.context_len = len(context)
         self.seq = Sequence("forward-timer", list(context), SamplingParams(), max_tokens=1)
         self.engine.block_manager.grow(self.seq, len(context) + room)
-        self.engine.runner.forward([PieceInput(list(context), 0, self.seq.block_table)], [len(context) - 1])
+        # State slot 0 for a hybrid target: an idle engine's, as its cost profile borrows it.
+        first = PieceInput(list(context), 0, self.seq.block_table, state_slot=0)
+        self.engine.runner.forward([first], [len(context) - 1])
 
     def forward_seconds(self, tokens: list[int]) -> float:
-        piece = PieceInput(tokens, self.context_len, self.seq.block_table)
+        piece = PieceInput(
+            tokens, self.context_len, self.seq.block_table, state_slot=0, checkpoint=len(tokens) > 1
+        )
         start = time.perf_counter()
         self.engine.runner.forward([piece], list(range(len(tokens))))
         return time.perf_counter() - start

@@ -1,7 +1,8 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, per-sequence block tables, ref counts.
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, per-sequence block tables, ref counts; and
+the recurrent-state slots of hybrid models, one per running sequence.
 
-Only integers live here; the KV tensors themselves belong to the model runner. Ref counts let several
-sequences share a block later (prefix caching); today every block has one owner.
+Only integers live here; the KV and state tensors themselves belong to the model runner. Ref counts let
+several sequences share a block later (prefix caching); today every block has one owner.
 """
 
 from __future__ import annotations
@@ -14,6 +15,27 @@ class HasBlockTable(Protocol):
     """Whatever owns cache blocks: a target sequence, or a drafter's per-request state."""
 
     block_table: list[int]
+
+
+class HasStateSlot(Protocol):
+    state_slot: int | None
+
+
+class SlotPool:
+    """Recurrent-state slots: one taken when a sequence starts running, given back when it finishes or
+    is preempted (it then restarts from position 0, from a zero state). As many slots as sequences may
+    run at once, so taking one never fails."""
+
+    def __init__(self, num_slots: int):
+        self.free_slots: deque[int] = deque(range(num_slots))
+
+    def take(self, owner: HasStateSlot) -> None:
+        owner.state_slot = self.free_slots.popleft()
+
+    def give_back(self, owner: HasStateSlot) -> None:
+        if owner.state_slot is not None:
+            self.free_slots.append(owner.state_slot)
+            owner.state_slot = None
 
 
 class BlockManager:

@@ -55,6 +55,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -15,7 +15,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
 from specserve.core.batch import StepLayout
-from specserve.core.block_manager import BlockManager
+from specserve.core.block_manager import BlockManager, SlotPool
 from specserve.core.sequence import Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.input_processor import InputProcessor, PromptType
@@ -39,9 +39,9 @@ class LLMEngine:
     ):
         self.config = config
         spec_config = SpeculativeConfig.from_value(speculative_config)  # a typo fails before loading
-        model_dir = resolve_model(config.model, revision=config.revision)
+        self.model_dir = resolve_model(config.model, revision=config.revision)
         self.model, hf_config, self.tokenizer = load_model(
-            str(model_dir), dtype=config.torch_dtype, quantization=config.quantization
+            str(self.model_dir), dtype=config.torch_dtype, quantization=config.quantization
         )
         self.model_config = text_config_of(hf_config)
         self.vocab_size = self.model_config.vocab_size
@@ -51,11 +51,17 @@ class LLMEngine:
             raise SpecserveError(
                 f"max_model_len {self.max_model_len} exceeds the model's context length {context}"
             )
-        self.eos_token_ids = eos_token_ids(model_dir, self.model_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         num_blocks = kv_cache_blocks(self.model, config, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype)
+        num_slots = config.max_num_seqs if self.model.has_recurrent_state else 0
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            SlotPool(num_slots) if num_slots else None,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, num_slots)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -76,6 +82,7 @@ class LLMEngine:
             model_config=self.model_config,
             tokenizer=self.tokenizer,
             model_name=str(self.config.model),
+            model_dir=str(self.model_dir),
             dtype=self.config.dtype,
             block_size=self.config.block_size,
             num_kv_blocks=self.block_manager.num_blocks,
@@ -144,11 +151,17 @@ class LLMEngine:
         layout = StepLayout(batch.pieces)
         start = time.perf_counter()
         forward = self.runner.forward(
-            [PieceInput(p.token_ids, p.start, p.seq.block_table) for p in batch.pieces],
+            [
+                PieceInput(p.token_ids, p.start, p.seq.block_table, p.seq.state_slot, p.draft is not None)
+                for p in batch.pieces
+            ],
             layout.logit_rows,
             capture_layers=spec.capture_layers if spec is not None else (),
         )
         results = self.sampler(batch.pieces, layout, forward.logits)
+        self.runner.roll_back_states(  # recurrent states to the accepted prefix (KV: by length, below)
+            forward.checkpoints, {i: layout.num_tokens[i] + results[i].num_accepted for i in layout.verified}
+        )
         verify_s = time.perf_counter() - start
         updates = [
             update

@@ -15,14 +15,21 @@ from collections import deque
 from collections.abc import Mapping
 
 from specserve.core.batch import PieceResult, ScheduledPiece, StepBatch
-from specserve.core.block_manager import BlockManager
+from specserve.core.block_manager import BlockManager, SlotPool
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state_slots: SlotPool | None = None,
+    ):
         self.block_manager = block_manager
+        self.state_slots = state_slots  # hybrid models: a recurrent-state slot per running sequence
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -75,13 +82,15 @@ class Scheduler:
             self.waiting.popleft()
             bm.grow(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
+            if self.state_slots is not None:
+                self.state_slots.take(seq)
             self.running.append(seq)
             out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, n))
             budget -= n
         return out
 
     def _preempt(self, seq: Sequence) -> Sequence:
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
@@ -106,4 +115,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.give_back(seq)

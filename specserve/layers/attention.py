@@ -11,10 +11,13 @@ into the cache and call the backend.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from specserve.layers.gated_deltanet import StateCheckpoints
 
 # Pieces with at most this many query rows are attended together in one padded SDPA call; longer ones
 # (prompt chunks) get a call of their own so that short pieces are not padded to their length.
@@ -95,6 +98,8 @@ class AttentionMetadata:
     block_size: int
     causal: bool = True
     groups: list[PieceGroup] = field(default_factory=list)
+    state_slots: torch.Tensor | None = None  # [P] long: each piece's recurrent-state slot (hybrid models)
+    checkpoints: StateCheckpoints | None = None  # pieces whose recurrent state may be rolled back
 
     @classmethod
     def build(
@@ -105,6 +110,8 @@ class AttentionMetadata:
         positions: torch.Tensor,
         block_size: int,
         causal: bool = True,
+        state_slots: torch.Tensor | None = None,
+        checkpoints: StateCheckpoints | None = None,
     ) -> AttentionMetadata:
         num_pieces = len(context_lens)
         q_lens = [query_start[p + 1] - query_start[p] for p in range(num_pieces)]
@@ -119,6 +126,8 @@ class AttentionMetadata:
             positions=positions,
             block_size=block_size,
             causal=causal,
+            state_slots=state_slots,
+            checkpoints=checkpoints,
         )
         short = [p for p in range(num_pieces) if q_lens[p] <= BATCHED_PIECE_MAX_LEN]
         long = [p for p in range(num_pieces) if q_lens[p] > BATCHED_PIECE_MAX_LEN]

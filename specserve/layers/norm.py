@@ -1,8 +1,9 @@
-"""RMSNorm in the three flavours our model families use."""
+"""RMSNorm in the flavours our model families use, and the gated RMSNorm of Gated DeltaNet."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -36,3 +37,20 @@ class RMSNorm(nn.Module):
         if self.scale_in_fp32:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return (self.offset + self.weight) * normed.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = w * (x / rms(x)) * silu(gate): Gated DeltaNet's output norm (Qwen3-Next, Qwen3.5).
+
+    Normalised in fp32 and cast before the scale w (stored as is, not zero-centred); the gate in fp32.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)

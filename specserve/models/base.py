@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specserve.layers.attention import AttentionMetadata, KVCache
+from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec, StateCheckpoints
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class CausalLM(nn.Module):
     `forward` runs a flat batch (all pieces of a step concatenated) and returns the final-normed hidden
     states [N, H] plus the residual-stream outputs of the requested layers ({layer_id: [N, H]}; layer id -1
     is the embedding output that enters layer 0). Logits are computed separately, only for the rows that
-    need them.
+    need them. Hybrid models (linear-attention layers) take a `RecurrentState` pool in those layers' places
+    of `kv_caches`, and their `cache_specs()` give a `RecurrentStateSpec` there.
     """
 
     config: object
@@ -37,7 +39,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_caches: Sequence[KVCache],
+        kv_caches: Sequence[KVCache | RecurrentState],
         capture_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         raise NotImplementedError
@@ -45,8 +47,20 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def cache_specs(self) -> list[LayerCacheSpec]:
+    def cache_specs(self) -> list[LayerCacheSpec | RecurrentStateSpec]:
         raise NotImplementedError
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether a layer keeps per-sequence recurrent state (the forward then needs meta.state_slots)."""
+        return False
+
+    def rollback_states(
+        self, checkpoints: StateCheckpoints, caches: Sequence[KVCache | RecurrentState], keep: dict[int, int]
+    ) -> None:
+        """For each checkpointed piece p, set its slot's recurrent state in every linear-attention layer to
+        the state after the first keep[p] tokens of the piece (1 <= keep[p] <= its length). KV caches need
+        nothing: their rollback is a length change."""
 
     def input_embedding(self) -> nn.Embedding:
         """The token embedding table (unscaled); drafters share it instead of holding a copy."""

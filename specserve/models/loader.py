@@ -175,9 +175,24 @@ def _first_line(exc: BaseException) -> str:
 
 def load_hf_config(model_dir: Path):
     """The transformers config of a resolved directory (local files only)."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, KeyError) as exc:
+        # A model_type the installed transformers does not know (a newer family): say which, and ours.
+        try:
+            model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        if model_type is None or model_type in CONFIG_MAPPING:
+            raise
+        from specserve.models.registry import supported_model_types
+
+        raise SpecserveError(
+            f"{model_dir}: model_type {model_type!r} is unknown to the installed transformers and not "
+            f"supported; supported: {', '.join(supported_model_types())}"
+        ) from exc
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -197,14 +212,16 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) for every tensor of every safetensors file, one at a time (mmap'd reads)."""
+def iter_checkpoint_tensors(model_dir: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every tensor of every safetensors file whose name starts with `prefix`,
+    one at a time (mmap'd reads: the others are never read)."""
     from safetensors import safe_open
 
     for path in _safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, fh.get_tensor(name)
+                if name.startswith(prefix):
+                    yield name, fh.get_tensor(name)
 
 
 def load_tokenizer(model_dir: Path):

@@ -1,5 +1,7 @@
 """The Qwen family in one model: Qwen2/2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (experts).
 
+The hybrid Qwen3-Next / Qwen3.5 models (`qwen3_next.py`) reuse the attention, the MoE block and the loading.
+
 Parameter names equal the HF checkpoint names, so `load_weights` copies tensors straight in.
 """
 
@@ -40,7 +42,17 @@ def _is_moe_layer(config, layer_idx: int) -> bool:
 
 
 class QwenAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+    """`output_gate` (Qwen3-Next, Qwen3.5): q_proj also yields, per head, a gate g and the output is
+    o * sigmoid(g). `norm_offset=1.0`: zero-centred q/k norms (scale 1 + w, in fp32)."""
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        output_gate: bool = False,
+        norm_offset: float = 0.0,
+    ):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -51,46 +63,63 @@ class QwenAttention(nn.Module):
         qkv_bias = bias or config.model_type == "qwen2"
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=qkv_bias)
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(hidden, q_size * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=bias)
         self.qk_norm = config.model_type != "qwen2"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            norm = dict(eps=config.rms_norm_eps, offset=norm_offset, scale_in_fp32=norm_offset != 0)
+            self.q_norm = RMSNorm(self.head_dim, **norm)
+            self.k_norm = RMSNorm(self.head_dim, **norm)
         self.rotary = rotary  # one instance shared by every layer (it holds no parameters)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:  # per head: [q | gate]
+            q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         cache.write(attn.slot_mapping, k, v)
-        o = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(n, -1))
+        o = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window).reshape(n, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(o)
 
 
 class QwenSparseMoe(nn.Module):
-    """Qwen3-MoE feed-forward: a linear router (`gate`) picks top-k experts per token; no shared expert."""
+    """Qwen MoE feed-forward: a linear router (`gate`) picks top-k experts per token. Qwen3-Next and
+    Qwen3.5-MoE add a shared expert that every token takes, scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, config):
         super().__init__()
+        hidden = config.hidden_size
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act
-        )
+        self.norm_topk_prob = getattr(config, "norm_topk_prob", True)  # Qwen3.5-MoE: no field, always
+        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, config.hidden_act)
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        self.shared_expert = GatedMLP(hidden, shared, config.hidden_act) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is None:
+            return out
+        # fp64 sigmoid: in fp32 an [N, 1] gate rounds differently in a kernel's SIMD body and its scalar tail,
+        # which would make a row's value depend on N (batch invariance).
+        gate = torch.sigmoid(self.shared_expert_gate(x).double()).to(x.dtype)
+        return out + gate * self.shared_expert(x)
 
 
 class QwenDecoderLayer(nn.Module):

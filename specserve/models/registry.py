@@ -13,6 +13,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "qwen2": ("specserve.models.qwen", "QwenForCausalLM"),
     "qwen3": ("specserve.models.qwen", "QwenForCausalLM"),
     "qwen3_moe": ("specserve.models.qwen", "QwenForCausalLM"),
+    "qwen3_next": ("specserve.models.qwen3_next", "HybridQwenForCausalLM"),
+    "qwen3_5_text": ("specserve.models.qwen3_next", "HybridQwenForCausalLM"),
+    "qwen3_5_moe_text": ("specserve.models.qwen3_next", "HybridQwenForCausalLM"),
     "gemma3_text": ("specserve.models.gemma", "GemmaForCausalLM"),
     "gemma4_text": ("specserve.models.gemma", "GemmaForCausalLM"),
 }
@@ -23,7 +26,7 @@ def supported_model_types() -> list[str]:
 
 
 def text_config_of(config):
-    """The language-model part of a HF config (Gemma 3/4 multimodal configs nest it)."""
+    """The language-model part of a HF config (Gemma 3/4 and Qwen3.5 multimodal configs nest it)."""
     return getattr(config, "text_config", None) or config
 
 

@@ -17,6 +17,7 @@ class TargetContext:
     model_config: Any  # the target's text config
     tokenizer: Any | None
     model_name: str
+    model_dir: str  # the resolved checkpoint directory (MTP reads its mtp.* tensors there)
     dtype: str  # "float32" | "bfloat16" | "float16"
     block_size: int  # tokens per KV block, which drafters' own paged caches use too
     num_kv_blocks: int  # the target's KV budget in blocks: drafters size their caches after it

@@ -58,7 +58,7 @@ def prime_drafter(drafter, seqs: list, num_tokens: int) -> float:
     the first round, which also processes those prompts; its seconds."""
     if drafter.capture_layers:
         for seq in seqs:
-            drafter.observe(seq, 0, torch.randn(seq.num_tokens - 1, drafter.model.fc.in_features))
+            drafter.observe(seq, 0, torch.randn(seq.num_tokens - 1, drafter.feature_width))
     begin = time.perf_counter()
     drafter.propose(seqs, num_tokens)
     return time.perf_counter() - begin
@@ -67,7 +67,7 @@ def prime_drafter(drafter, seqs: list, num_tokens: int) -> float:
 def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
     """Seconds of one drafting round after each request gained ACCEPTED_PER_ROUND tokens (hidden-state
     drafters get random target features for them: their cost does not depend on the values)."""
-    width = drafter.model.fc.in_features if drafter.capture_layers else 0
+    width = drafter.feature_width if drafter.capture_layers else 0
     for seq in seqs:
         start = seq.num_tokens - 1
         seq.output_token_ids += [7] * ACCEPTED_PER_ROUND
@@ -95,7 +95,8 @@ def profile_costs(
 
     def forward(b: int, _context: int) -> None:
         sizes = [PIECE_LEN] * (b // PIECE_LEN) + ([b % PIECE_LEN] if b % PIECE_LEN else [])
-        pieces = [PieceInput([5] * n, context, scratch.block_table) for n in sizes]
+        # Slot 0 for every piece (hybrid models): timing only, and prefills start from a zero state.
+        pieces = [PieceInput([5] * n, context, scratch.block_table, state_slot=0) for n in sizes]
         runner.forward(pieces, range(b))  # logits at every row, as verification needs
 
     grid = default_grid(target.max_num_batched_tokens)

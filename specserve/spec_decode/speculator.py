@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.config import SpeculativeConfig
+from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.batch import PieceResult, StepBatch, StepLayout
 from specserve.core.block_manager import BlockManager
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
 from specserve.core.spec_stats import SpecStats, StepRecord
+from specserve.layers.gated_deltanet import RECURRENT_MAX_LEN
 from specserve.spec_decode.calibration.offline import VerificationRecords
 from specserve.spec_decode.calibration.online import LiveCalibration, Recalibration
 from specserve.spec_decode.context import TargetContext
@@ -57,6 +58,11 @@ class Speculator:
         self.target = target
         self.drafter = build_drafter(config, target)
         self.num_draft_tokens = config.num_speculative_tokens or self.drafter.default_num_tokens
+        if target.model.has_recurrent_state and self.num_draft_tokens + 1 > RECURRENT_MAX_LEN:
+            raise SpecserveError(
+                f"num_speculative_tokens={self.num_draft_tokens}: a hybrid target verifies at most "
+                f"{RECURRENT_MAX_LEN - 1} drafts a round exactly (longer blocks take the chunked delta rule)"
+            )
         self.stats = SpecStats()
         self.calibration = LiveCalibration()  # predicted vs realised draft survival, per position
         self.recalibration = Recalibration()  # realised acceptance by position and raw confidence

@@ -20,8 +20,22 @@ from specserve.config import SpecserveError
 from specserve.spec_decode.deepspec.heads import MARKOV_HEAD_TYPES
 
 # Targets whose drafter takes each layout. Qwen2/2.5 targets get the Qwen3 drafter (q/k norms, no biases):
-# DeepSpec has no Qwen2 class, and the layout is the target-independent part of the drafter.
-FAMILY_OF_TARGET = {"qwen2": "qwen3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gemma4_text": "gemma4"}
+# DeepSpec has no Qwen2 class, and the layout is the target-independent part of the drafter. So do the
+# hybrid Qwen3.5 / Qwen3-Next targets, whose drafter is a plain Qwen3 backbone of the target's widths.
+HYBRID_TARGETS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+FAMILY_OF_TARGET = {
+    "qwen2": "qwen3",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
+    "gemma4_text": "gemma4",
+    **dict.fromkeys(HYBRID_TARGETS, "qwen3"),
+}
+# What a Qwen3 drafter takes from a hybrid target; the rest (linear attention, output gates, partial and
+# multimodal RoPE, MoE) belongs to the target's own layers.
+_HYBRID_INHERITED = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "max_position_embeddings", "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
+)  # fmt: skip
 _HF_CONFIG = {"qwen3": transformers.Qwen3Config, "gemma4": transformers.Gemma4TextConfig}
 # Target fields the drafter does not inherit: everything MoE, sliding windows and Gemma 4 extras that only
 # the target's own layers use.
@@ -331,6 +345,15 @@ def draft_backbone(
             f"{', '.join(FAMILY_OF_TARGET)}"
         )
     fields = copy.deepcopy(target_config.to_dict())
+    if target_config.model_type in HYBRID_TARGETS:
+        fields = {key: fields[key] for key in _HYBRID_INHERITED if key in fields}
+        # Full RoPE at the target's base: DeepSpec's Qwen3 rotary ignores a partial factor.
+        fields["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": target_config.rope_parameters["rope_theta"],
+        }
+        dense = getattr(target_config, "intermediate_size", None)  # MoE targets: the shared expert's width
+        fields["intermediate_size"] = dense or target_config.shared_expert_intermediate_size
     for key in (*_NOT_INHERITED, "architectures", "model_type", "layer_types", "num_hidden_layers"):
         fields.pop(key, None)
     if family == "gemma4":

@@ -5,6 +5,10 @@ token the draft cache has not seen yet (the tokens accepted last round and the n
 after rounds that drafted nothing), the others one drafted token each. Drafts are sampled with the
 request's own sampling parameters and their q rows kept for rejection sampling. A scheduled verify policy
 decides before each forward which sequences draft on (`keep_drafting`).
+
+Rejected drafts are rolled back by length in the paged KV cache. A hybrid draft model's recurrent state
+cannot be: after each round's first forward (every committed token fed) the drafter snapshots it, and a
+round that finds drafts rejected restores the snapshot and feeds the accepted ones again.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.block_manager import BlockManager
+from specserve.core.block_manager import BlockManager, SlotPool
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
@@ -29,6 +33,9 @@ class DraftState:
 
     fed: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrid draft models: the recurrent state after `fed`
+    snapshot: object | None = None  # that state after the first `snapshot_len` tokens of `fed`
+    snapshot_len: int = 0
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -47,8 +54,10 @@ class DraftModelDrafter(Drafter):
     drafts_serially = True
 
     def __init__(self, model, num_blocks: int, target: TargetContext):
-        self.runner = ModelRunner(model, num_blocks, target.block_size, target.torch_dtype)
+        num_slots = target.max_num_seqs if model.has_recurrent_state else 0
+        self.runner = ModelRunner(model, num_blocks, target.block_size, target.torch_dtype, num_slots)
         self.blocks = BlockManager(num_blocks, target.block_size)
+        self.slots = SlotPool(num_slots) if num_slots else None
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
         self.states: dict[str, DraftState] = {}
@@ -80,6 +89,8 @@ class DraftModelDrafter(Drafter):
         state = self.states.pop(seq.request_id, None)
         if state is not None:
             self.blocks.shrink(state, 0)
+            if self.slots is not None:
+                self.slots.give_back(state)
 
     def propose(
         self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None
@@ -103,10 +114,16 @@ class DraftModelDrafter(Drafter):
                 tokens = seqs[i].all_token_ids + drafted[i]
                 new = tokens[len(states[i].fed) :]
                 self.blocks.grow(states[i], len(tokens))
-                pieces.append(PieceInput(new, len(states[i].fed), states[i].block_table))
+                pieces.append(
+                    PieceInput(new, len(states[i].fed), states[i].block_table, states[i].state_slot)
+                )
                 states[i].fed = tokens
             rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
             logits = self.runner.forward(pieces, rows.tolist()).logits
+            if self.slots is not None and not any(drafted[i] for i in active):  # every committed token fed
+                for i in active:
+                    states[i].snapshot = self.runner.save_states(states[i].state_slot)
+                    states[i].snapshot_len = len(states[i].fed)
             q, tokens, peaks = sample_drafts(
                 logits,
                 [seqs[i] for i in active],
@@ -128,16 +145,25 @@ class DraftModelDrafter(Drafter):
         state = self.states.get(seq.request_id)
         return seq.num_tokens - self._kept(state, seq) if state is not None else seq.num_tokens
 
-    @staticmethod
-    def _kept(state: DraftState, seq: Sequence) -> int:
+    def _kept(self, state: DraftState, seq: Sequence) -> int:
         """Cached tokens still a prefix of the sequence; the newest token is always fed again, so that
-        its logits are computed this round."""
-        return min(common_prefix_len(state.fed, seq.all_token_ids), seq.num_tokens - 1)
+        its logits are computed this round. A recurrent state goes back to the snapshot only, or to the
+        start (when even the snapshot is too new: the sequence gained nothing since its last round)."""
+        keep = min(common_prefix_len(state.fed, seq.all_token_ids), seq.num_tokens - 1)
+        if self.slots is None or keep == len(state.fed):
+            return keep
+        return state.snapshot_len if state.snapshot is not None and state.snapshot_len <= keep else 0
 
     def _sync(self, seq: Sequence) -> DraftState:
         """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""
-        state = self.states.setdefault(seq.request_id, DraftState())
+        state = self.states.get(seq.request_id)
+        if state is None:
+            state = self.states[seq.request_id] = DraftState()
+            if self.slots is not None:
+                self.slots.take(state)
         keep = self._kept(state, seq)
+        if keep < len(state.fed) and keep and self.slots is not None:
+            self.runner.restore_states(state.state_slot, state.snapshot)
         del state.fed[keep:]
         self.blocks.shrink(state, keep)
         return state

@@ -25,12 +25,12 @@ from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import DSparkConfig
 from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
 from specserve.spec_decode.drafters.base import sample_drafts
-from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, concat_rows
+from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenStateDrafter, concat_rows
 
 
 class DSparkDrafter(HiddenStateDrafter):
     def __init__(self, model: DSparkDraftModel, target: TargetContext, calibrated: bool = True):
-        super().__init__(model, target, extra_tokens_per_request=model.config.block_size)
+        super().__init__(model, target, DrafterLayout.of_checkpoint(model), model.config.block_size)
         self.block_size = model.config.block_size
         self.default_num_tokens = model.config.block_size
         self.mask_token_id = model.config.mask_token_id
@@ -93,7 +93,7 @@ class DSparkDrafter(HiddenStateDrafter):
             causal=False,
         )
         features = [f for st in states for f in st.take_pending()]
-        width = self.model.fc.in_features
+        width = self.feature_width
         context = self.model.project_context(concat_rows(features, width, self.caches[0].k.dtype))
         block_ids = torch.full((len(seqs), B), self.mask_token_id)
         block_ids[:, 0] = torch.tensor([s.all_token_ids[-1] for s in seqs])

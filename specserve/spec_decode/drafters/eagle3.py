@@ -20,13 +20,21 @@ from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import Eagle3Config
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.spec_decode.drafters.base import sample_drafts
-from specserve.spec_decode.drafters.hidden_states import HiddenStateDrafter, concat_rows
+from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenStateDrafter, concat_rows
 
 
 class Eagle3Drafter(HiddenStateDrafter):
-    def __init__(self, model: Eagle3DraftModel, target: TargetContext, max_num_tokens: int):
-        super().__init__(model, target, extra_tokens_per_request=max_num_tokens)
-        self.default_num_tokens = model.config.ttt_length
+    def __init__(
+        self,
+        model: Eagle3DraftModel,
+        target: TargetContext,
+        max_num_tokens: int,
+        layout: DrafterLayout | None = None,
+        default_num_tokens: int | None = None,
+    ):
+        """`layout` and `default_num_tokens`: the checkpoint's (its config) unless given."""
+        super().__init__(model, target, layout or DrafterLayout.of_checkpoint(model), max_num_tokens)
+        self.default_num_tokens = default_num_tokens or model.config.ttt_length
         self.max_num_tokens = max_num_tokens
         self.eos_token_ids = set(target.eos_token_ids)
 
@@ -60,7 +68,7 @@ class Eagle3Drafter(HiddenStateDrafter):
             [t for s, st, a in zip(seqs, states, anchors) for t in s.all_token_ids[st.num_cached + 1 : a + 1]]
         )
         features = concat_rows(
-            [f for st in states for f in st.take_pending()], self.model.fc.in_features, self.caches[0].k.dtype
+            [f for st in states for f in st.take_pending()], self.feature_width, self.caches[0].k.dtype
         )
         batch = self.paged_batch(states, owner, pos, lens, pos, causal=True)
         out = self.model(tokens, self.model.project_context(features), batch)

@@ -1,4 +1,4 @@
-"""Shared machinery of drafters conditioned on the target's hidden states (DSpark, DFlash, EAGLE-3):
+"""Shared machinery of drafters conditioned on the target's hidden states (DSpark, DFlash, EAGLE-3, MTP):
 per-request context rows handed over by the engine, and a paged draft KV cache rolled back by length."""
 
 from __future__ import annotations
@@ -46,14 +46,38 @@ def concat_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> tor
     return torch.cat(rows).to(dtype) if rows else torch.zeros(0, width, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class DrafterLayout:
+    """What a hidden-state drafter reads and keeps: the target layers it reads (their outputs are
+    concatenated: `feature_width` wide) and its paged cache, `num_layers` x [.., num_kv_heads, head_dim]."""
+
+    capture_layers: tuple[int, ...]
+    feature_width: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of_checkpoint(cls, model) -> DrafterLayout:
+        """A DeepSpec-format drafter's (its config says)."""
+        config, geo = model.config, attention_geometry(model.config)
+        return cls(
+            tuple(config.target_layer_ids),
+            model.fc.in_features,
+            config.num_layers,
+            geo.num_kv_heads,
+            geo.head_dim,
+        )
+
+
 class HiddenStateDrafter(Drafter):
     """`observe` collects the target features of each position in order; a subclass's `propose` turns
     the pending rows into draft cache entries and drafts from them."""
 
-    def __init__(self, model, target: TargetContext, extra_tokens_per_request: int):
-        config = model.config
+    def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
-        self.capture_layers = tuple(config.target_layer_ids)
+        self.capture_layers = layout.capture_layers
+        self.feature_width = layout.feature_width
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
         cache_block = target.block_size
@@ -61,12 +85,11 @@ class HiddenStateDrafter(Drafter):
         per_request = -(-extra_tokens_per_request // cache_block) + 1
         num_blocks = target.num_kv_blocks + target.max_num_seqs * per_request
         self.blocks = BlockManager(num_blocks, cache_block)
-        geo = attention_geometry(config)
-        shape = (num_blocks, cache_block, geo.num_kv_heads, geo.head_dim)
+        shape = (num_blocks, cache_block, layout.num_kv_heads, layout.head_dim)
         dtype = target.torch_dtype
         self.caches = [
             KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(config.num_layers)
+            for _ in range(layout.num_layers)
         ]
         self.states: dict[str, ContextState] = {}
 

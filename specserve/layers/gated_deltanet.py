@@ -1,0 +1,391 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5) over a flat batch of pieces, with slot-held state.
+
+Per sequence and value head, a causal depthwise conv (kernel K; its state is the last K-1 inputs) mixes the
+q/k/v projections, then the gated delta rule updates a [d_k, d_v] state S:
+    S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,   a_t = exp(g_t) <= 1
+with q, k L2-normalised (q also scaled by d_k^-0.5); o goes through a gated RMSNorm and out_proj.
+transformers' `modeling_qwen3_next.py` defines the math; tests/test_hybrid.py pins it.
+
+Pieces of at most RECURRENT_MAX_LEN tokens (decode tokens, verification blocks, short prompt chunks) run the
+recurrence token by token, all of them advancing together; longer ones (prefill chunks) use the chunked
+(WY) form, where a chunk's updates are one triangular solve and only the state passes between chunks.
+
+Batch invariance: a token's output and state must not depend on the other pieces of the call, so that a
+verified token equals the same token decoded alone. The recurrent path uses elementwise ops and per-piece
+[1, d_k] x [d_k, d_v] matmuls (one kernel call per piece and head, whatever the batch; the tests check it at
+real shapes); the per-head gates (beta, g, exp g) are computed in float64 because fp32 sigmoid / softplus
+round differently in a kernel's SIMD body and its scalar tail, and an [N, heads] tensor puts a row in either
+depending on N. (Rows of conv_dim and heads * d_v, multiples of 32 in every released config, stay in the
+SIMD body.)
+
+Rollback: a verification piece whose drafts are rejected must leave its slot at the state after the accepted
+prefix. When asked (`StateCheckpoints`), each layer keeps the piece's pre-piece state (the fp32 [heads, d_k,
+d_v] one dominates: 1 MiB at Qwen3.5-0.8B shapes) and its per-token inputs to the conv and the recurrence;
+`GatedDeltaNet.rollback` replays the kept prefix with the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.layers.attention import AttentionMetadata
+from specserve.layers.mlp import activation
+from specserve.layers.norm import GatedRMSNorm
+
+# Pieces up to this length take the recurrent form. It must cover every verification block (anchor + k
+# drafts; DSpark's default k is 7, DFlash's 16) for verification to equal plain decoding bitwise. Speed alone
+# would pick ~16: at Qwen3.5-0.8B shapes (16 heads, 128 x 128) on 2 CPU threads the recurrent form costs
+# ~1 ms a token a piece, the chunked one ~11 ms a piece up to 64 tokens.
+RECURRENT_MAX_LEN = 32
+CHUNK = 64  # chunk length of the chunked form (transformers' and FLA's)
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """One linear-attention layer's per-sequence state shape."""
+
+    conv_dim: int
+    kernel_size: int
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def allocate(self, num_slots: int, dtype: torch.dtype) -> RecurrentState:
+        """A pool of zeroed slots; the conv state is in the model dtype, the delta-rule state in fp32."""
+        return RecurrentState(
+            conv=torch.zeros(num_slots, self.conv_dim, self.kernel_size - 1, dtype=dtype),
+            ssm=torch.zeros(num_slots, self.num_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32),
+        )
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * (self.kernel_size - 1) * torch.empty((), dtype=dtype).element_size()
+        return conv + self.num_heads * self.head_k_dim * self.head_v_dim * 4
+
+
+@dataclass
+class RecurrentState:
+    """One layer's pool of slots; a sequence keeps one slot index in every layer."""
+
+    conv: torch.Tensor  # [num_slots, conv_dim, kernel_size - 1] (model dtype)
+    ssm: torch.Tensor  # [num_slots, num_heads, head_k_dim, head_v_dim] float32
+
+
+@dataclass
+class StateRecord:
+    """What one layer kept of the checkpointed pieces of a forward (padded to the longest, [C, T, ...])."""
+
+    slots: torch.Tensor  # [C]
+    lengths: list[int]
+    conv: torch.Tensor  # [C, conv_dim, K - 1] conv state before the piece
+    ssm: torch.Tensor  # [C, heads, d_k, d_v] delta-rule state before the piece
+    mixed: torch.Tensor  # [C, T, conv_dim] conv inputs (the qkv projection)
+    k: torch.Tensor  # [C, T, key heads, d_k] post-conv, normalised
+    v: torch.Tensor  # [C, T, heads, d_v]
+    g: torch.Tensor  # [C, T, heads] log decay
+    decay: torch.Tensor  # [C, T, heads] exp(g)
+    beta: torch.Tensor  # [C, T, heads]
+
+
+class StateCheckpoints:
+    """Asked for by the caller, filled by the layers during one forward: the pieces (indices into the
+    forward's pieces) whose recurrent state may be rolled back, and per layer index what that needs."""
+
+    def __init__(self, pieces: list[int]):
+        self.pieces = sorted(set(pieces))
+        self.layers: dict[int, StateRecord] = {}
+
+
+@dataclass
+class PieceRows:
+    """Some pieces laid out [G, T]: the flat row of each piece's t-th token (0 past its end)."""
+
+    pieces: torch.Tensor  # [G]
+    rows: torch.Tensor  # [G, T]
+    valid: torch.Tensor  # [G, T]
+    lengths: list[int]
+
+    @classmethod
+    def build(cls, pieces: list[int], query_start: list[int], pad_to: int = 1) -> PieceRows | None:
+        if not pieces:
+            return None
+        starts = torch.tensor([query_start[p] for p in pieces])
+        lengths = torch.tensor([query_start[p + 1] - query_start[p] for p in pieces])
+        width = -(-int(lengths.max()) // pad_to) * pad_to
+        offsets = torch.arange(width)
+        valid = offsets[None, :] < lengths[:, None]
+        rows = torch.where(valid, starts[:, None] + offsets, 0)
+        return cls(torch.tensor(pieces), rows, valid, lengths.tolist())
+
+
+@dataclass
+class RecurrentLayout:
+    """Index tensors every linear-attention layer of one forward shares (built once per forward).
+
+    The conv runs over a buffer holding, per piece, its K-1 state rows then its tokens: the taps of a token
+    are the K buffer rows ending at its own.
+    """
+
+    slots: torch.Tensor  # [P] each piece's state slot
+    fresh: torch.Tensor  # [P] bool: the piece starts at position 0, from a zero state
+    buffer_len: int
+    token_rows: torch.Tensor  # [N] buffer row of each token
+    state_rows: torch.Tensor  # [P, K-1] buffer rows of the state before the piece
+    end_rows: torch.Tensor  # [P, K-1] buffer rows of the state after it
+    short: PieceRows | None  # recurrent form
+    long: PieceRows | None  # chunked form, padded to whole chunks
+    checkpointed: PieceRows | None
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, kernel_size: int) -> RecurrentLayout:
+        if meta.state_slots is None:
+            raise ValueError("a model with linear-attention layers needs AttentionMetadata.state_slots")
+        qs = meta.query_start
+        num_pieces, w = len(qs) - 1, kernel_size - 1
+        lengths = [qs[p + 1] - qs[p] for p in range(num_pieces)]
+        starts, ends = torch.tensor(qs[:-1]), torch.tensor(qs[1:])
+        shift = torch.arange(num_pieces) * w
+        piece_of_token = torch.repeat_interleave(torch.arange(num_pieces), torch.tensor(lengths))
+        short = [p for p in range(num_pieces) if lengths[p] <= RECURRENT_MAX_LEN]
+        long = [p for p in range(num_pieces) if lengths[p] > RECURRENT_MAX_LEN]
+        checkpointed = meta.checkpoints.pieces if meta.checkpoints is not None else []
+        return cls(
+            slots=meta.state_slots.long(),
+            fresh=meta.positions[starts] == 0,
+            buffer_len=qs[-1] + num_pieces * w,
+            token_rows=torch.arange(qs[-1]) + (piece_of_token + 1) * w,
+            state_rows=(starts + shift)[:, None] + torch.arange(w),
+            end_rows=(ends + shift)[:, None] + torch.arange(w),
+            short=PieceRows.build(short, qs),
+            long=PieceRows.build(long, qs, pad_to=CHUNK),
+            checkpointed=PieceRows.build(checkpointed, qs),
+        )
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_delta_rule(
+    state: torch.Tensor,
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token by token. state [B, H, dk, dv]; q, k [B, T, H, dk]; v [B, T, H, dv]; decay, beta [B, T, H];
+    valid [B, T] (a piece's state stops at its last token). Returns (state, out [B, T, H, dv] or None)."""
+    outs = []
+    for t in range(k.shape[1]):
+        k_t = k[:, t, :, None, :]  # [B, H, 1, dk]
+        s = state * decay[:, t, :, None, None]
+        delta = (v[:, t] - (k_t @ s)[:, :, 0]) * beta[:, t, :, None]
+        s = s + k_t.transpose(-1, -2) * delta[:, :, None, :]
+        state = s if bool(valid[:, t].all()) else torch.where(valid[:, t, None, None, None], s, state)
+        if q is not None:
+            outs.append((q[:, t, :, None, :] @ state)[:, :, 0])
+    return state, torch.stack(outs, 1) if q is not None else None
+
+
+def chunked_delta_rule(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk by chunk; shapes as `recurrent_delta_rule`, T a multiple of CHUNK. Padding tokens must have
+    k = v = g = beta = 0: they then leave the state alone."""
+    b, t, h, dk = k.shape
+    n, c = t // CHUNK, CHUNK
+    q, k, v = (x.transpose(1, 2).reshape(b, h, n, c, -1) for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).reshape(b, h, n, c) for x in (g, beta))
+    cum = g.cumsum(-1)  # log decay from the chunk start through each token
+    lower = torch.ones(c, c, dtype=torch.bool).tril()
+    # decay[i, j]: what token j's write has decayed by at token i (i >= j); masked before exp (overflow)
+    decay = torch.where(lower, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # WY form: (I + L) [U | W] = [v beta | k beta exp(cum)], L the strictly lower part of (k_beta k^T) * decay
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(c)
+    rhs = torch.cat((v * beta[..., None], k_beta * cum.exp()[..., None]), -1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], dk], -1
+    )
+    within = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]  # decay from each token to the chunk's end
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(u)
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state  # what the state does not already predict
+        out[:, :, i] = q_decayed[:, :, i] @ state + within[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    return state, out.reshape(b, h, t, -1).transpose(1, 2)
+
+
+def _zero_past_end(valid: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.where(valid.view(*valid.shape, *([1] * (x.dim() - 2))), x, 0) for x in xs]
+
+
+def _pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.cat((x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])), 1)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer; parameter names are its checkpoint's (`linear_attn.*`)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # the key of this layer's StateRecord
+        hidden = config.hidden_size
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + value_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # Held for its weight [conv_dim, 1, K] only: the conv runs over the pieces' buffer (`_conv`).
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.act = activation(config.hidden_act)
+
+    def state_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(
+            self.conv_dim, self.kernel_size, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layout: RecurrentLayout,
+        state: RecurrentState,
+        checkpoints: StateCheckpoints | None = None,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        fresh = layout.fresh
+        conv0 = torch.where(fresh[:, None, None], 0, state.conv[layout.slots])
+        ssm0 = torch.where(fresh[:, None, None, None], 0, state.ssm[layout.slots])
+
+        buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
+        buffer[layout.token_rows] = mixed
+        buffer[layout.state_rows.flatten()] = conv0.transpose(1, 2).reshape(-1, self.conv_dim)
+        state.conv[layout.slots] = buffer[layout.end_rows].transpose(1, 2)
+        q, k, v = self._conv(buffer, layout.token_rows).split(
+            [self.key_dim, self.key_dim, self.value_dim], -1
+        )
+        q = l2norm(q.reshape(n, self.num_k_heads, -1).float()) * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(n, self.num_k_heads, -1).float())
+        v = v.reshape(n, self.num_v_heads, -1).float()
+        g, decay, beta = self._gates(x)
+
+        if layout.checkpointed is not None and checkpoints is not None:
+            rows, pieces = layout.checkpointed.rows, layout.checkpointed.pieces
+            checkpoints.layers[self.layer_idx] = StateRecord(
+                slots=layout.slots[pieces],
+                lengths=layout.checkpointed.lengths,
+                conv=conv0[pieces],
+                ssm=ssm0[pieces],
+                mixed=mixed[rows],
+                k=k[rows],
+                v=v[rows],
+                g=g[rows],
+                decay=decay[rows],
+                beta=beta[rows],
+            )
+
+        q, k = self._repeat_heads(q), self._repeat_heads(k)
+        out = v.new_empty(n, self.num_v_heads, self.head_v_dim)
+        if layout.short is not None:
+            rows, valid, pieces = layout.short.rows, layout.short.valid, layout.short.pieces
+            s, o = recurrent_delta_rule(
+                ssm0[pieces], q[rows], k[rows], v[rows], decay[rows], beta[rows], valid
+            )
+            out[rows[valid]] = o[valid]
+            state.ssm[layout.slots[pieces]] = s
+        if layout.long is not None:
+            rows, valid, pieces = layout.long.rows, layout.long.valid, layout.long.pieces
+            ks, vs, gs, bs = _zero_past_end(valid, k[rows], v[rows], g[rows], beta[rows])
+            s, o = chunked_delta_rule(ssm0[pieces], q[rows], ks, vs, gs, bs)
+            out[rows[valid]] = o[valid]
+            state.ssm[layout.slots[pieces]] = s
+
+        z = self.in_proj_z(x).view(n, self.num_v_heads, -1)
+        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
+
+    def _conv(self, buffer: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + activation of every token, a tap at a time (elementwise: exact per row)."""
+        weight = self.conv1d.weight[:, 0].float()  # [conv_dim, K]
+        first = token_rows - (self.kernel_size - 1)
+        acc = buffer[first].float() * weight[:, 0]
+        for j in range(1, self.kernel_size):
+            acc = acc + buffer[first + j].float() * weight[:, j]
+        return self.act(acc).to(buffer.dtype)
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(g, exp(g), beta) [N, heads] fp32, computed in fp64 (see the module docstring)."""
+        a = self.in_proj_a(x).double()
+        g = -self.A_log.double().exp() * F.softplus(a + self.dt_bias.double())
+        return g.float(), g.exp().float(), self.in_proj_b(x).double().sigmoid().float()
+
+    def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Key heads to value heads: each serves num_v_heads / num_k_heads consecutive ones."""
+        r = self.num_v_heads // self.num_k_heads
+        return x.repeat_interleave(r, dim=-2) if r > 1 else x
+
+    def rollback(self, checkpoints: StateCheckpoints, state: RecurrentState, keep: dict[int, int]) -> None:
+        """Rewrite each checkpointed piece's slot to the state after its first keep[p] tokens."""
+        record = checkpoints.layers.get(self.layer_idx)
+        if record is None:
+            return
+        keeps = []
+        for p, length in zip(checkpoints.pieces, record.lengths, strict=True):
+            kept = keep.get(p, length)
+            if not 1 <= kept <= length:
+                raise ValueError(f"piece {p}: keep must be in 1..{length}, got {kept}")
+            keeps.append(kept)
+        redo = [i for i, kept in enumerate(keeps) if kept < record.lengths[i]]
+        if not redo:
+            return
+        idx, kept = torch.tensor(redo), torch.tensor([keeps[i] for i in redo])
+        slots = record.slots[idx]
+        width = int(kept.max())
+        # conv: the last K-1 inputs of [state before the piece, kept tokens]
+        inputs = torch.cat((record.conv[idx].transpose(1, 2), record.mixed[idx, :width]), 1)
+        tail = kept[:, None] + torch.arange(self.kernel_size - 1)
+        state.conv[slots] = inputs[torch.arange(len(redo))[:, None], tail].transpose(1, 2)
+        # delta rule: replay the kept tokens on the form a piece of that length takes
+        valid = torch.arange(width)[None, :] < kept[:, None]
+        k = self._repeat_heads(record.k[idx, :width])
+        v, g, decay, beta = (t[idx, :width] for t in (record.v, record.g, record.decay, record.beta))
+        short = kept <= RECURRENT_MAX_LEN
+        if short.any():
+            w = int(kept[short].max())
+            s, _ = recurrent_delta_rule(
+                record.ssm[idx][short],
+                None,
+                *(t[short, :w] for t in (k, v, decay, beta, valid)),
+            )
+            state.ssm[slots[short]] = s
+        if (~short).any():
+            lng = ~short
+            width = -(-width // CHUNK) * CHUNK
+            valid = torch.arange(width)[None, :] < kept[lng, None]
+            k, v, g, beta = _zero_past_end(valid, *(_pad_time(t[lng], width) for t in (k, v, g, beta)))
+            s, _ = chunked_delta_rule(record.ssm[idx][lng], torch.zeros_like(k), k, v, g, beta)
+            state.ssm[slots[lng]] = s
