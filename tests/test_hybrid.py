@@ -27,6 +27,7 @@ from specserve.layers.gated_deltanet import (
     StateCheckpoints,
     l2norm,
     recurrent_delta_rule,
+    replay_delta_rule,
 )
 from specserve.layers.linear import onednn_available, pack_linears
 from specserve.models.base import LayerCacheSpec
@@ -251,29 +252,26 @@ def test_verified_tokens_equal_tokens_decoded_alone(fam):
 
 def test_rollback_replays_bitwise(fam):
     layer = packed_linear_layer(fam)
-    prefix, verify, long = layer_inputs(layer, [9, 5, 50], seed=8)
+    prefix_a, prefix_b, verify_a, verify_b = layer_inputs(layer, [9, 4, 5, 8], seed=8)
     base = layer.state_spec().allocate(2, torch.float32)
-    run_layer(layer, base, [(0, 0, prefix)])
+    run_layer(layer, base, [(0, 0, prefix_a), (1, 0, prefix_b)])
     verified, checkpoints = copy.deepcopy(base), StateCheckpoints([0, 1])
-    run_layer(layer, verified, [(0, 9, verify), (1, 0, long)], checkpoints)
-    for j in range(5):
+    run_layer(layer, verified, [(0, 9, verify_a), (1, 4, verify_b)], checkpoints)
+    for j, kept_b in zip(range(5), (8, 1, 3, 7, 2), strict=True):
         rolled, plain = copy.deepcopy(verified), copy.deepcopy(base)
-        layer.rollback(checkpoints, rolled, {0: j + 1, 1: 50})
+        layer.rollback(checkpoints, rolled, {0: j + 1, 1: kept_b})
         for t in range(j + 1):
-            run_layer(layer, plain, [(0, 9 + t, verify[t : t + 1])])
-        assert torch.equal(rolled.ssm[0], plain.ssm[0]) and torch.equal(rolled.conv[0], plain.conv[0])
-        assert torch.equal(rolled.ssm[1], verified.ssm[1])  # keep = length: untouched
-    # A long checkpointed piece replays its prefix on the form that prefix alone takes (chunked or not).
-    for kept in (40, 12):  # with piece 0 rolled back to 2 tokens in the same call
-        rolled, plain = copy.deepcopy(verified), copy.deepcopy(base)
-        layer.rollback(checkpoints, rolled, {0: 2, 1: kept})
-        run_layer(layer, plain, [(0, 9, verify[:1]), (1, 0, long[:kept])])
-        run_layer(layer, plain, [(0, 10, verify[1:2])])
-        assert torch.equal(rolled.ssm[0], plain.ssm[0]) and torch.equal(rolled.conv[0], plain.conv[0])
-        assert torch.equal(rolled.conv[1], plain.conv[1])
-        assert (rolled.ssm[1] - plain.ssm[1]).abs().max() <= 1e-5
+            run_layer(layer, plain, [(0, 9 + t, verify_a[t : t + 1])])
+        for t in range(kept_b):
+            run_layer(layer, plain, [(1, 4 + t, verify_b[t : t + 1])])
+        for slot in (0, 1):
+            assert torch.equal(rolled.ssm[slot], plain.ssm[slot])
+            assert torch.equal(rolled.conv[slot], plain.conv[slot])
     with pytest.raises(ValueError, match="keep must be in 1..5"):
         layer.rollback(checkpoints, copy.deepcopy(verified), {0: 0})
+    long = layer_inputs(layer, [RECURRENT_MAX_LEN + 1], seed=9)[0]
+    with pytest.raises(ValueError, match=f"at most {RECURRENT_MAX_LEN} tokens"):
+        run_layer(layer, copy.deepcopy(base), [(0, 9, long)], StateCheckpoints([0]))
 
 
 def test_recurrence_is_batch_invariant_at_real_shapes():
@@ -284,12 +282,15 @@ def test_recurrence_is_batch_invariant_at_real_shapes():
     v, state = torch.randn(b, t, h, d, generator=gen), torch.randn(b, h, d, d, generator=gen)
     decay, beta = torch.rand(b, t, h, generator=gen), torch.rand(b, t, h, generator=gen)
     valid = torch.arange(t)[None, :] < torch.tensor([[4], [1], [3]])
-    s_all, o_all = recurrent_delta_rule(state, q, k, v, decay, beta, valid)
+    s_all, o_all, deltas = recurrent_delta_rule(state, q, k, v, decay, beta, valid)
     for i, n in enumerate((4, 1, 3)):
+        replayed = state[i].clone()
+        replay_delta_rule(replayed, k[i, :n], deltas[i, :n], decay[i, :n])
+        assert torch.equal(replayed, s_all[i])
         s = state[i : i + 1]
         for j in range(n):
             cut = (slice(i, i + 1), slice(j, j + 1))
-            s, o = recurrent_delta_rule(s, q[cut], k[cut], v[cut], decay[cut], beta[cut], valid[cut])
+            s, o, _ = recurrent_delta_rule(s, q[cut], k[cut], v[cut], decay[cut], beta[cut], valid[cut])
             assert torch.equal(o[0, 0], o_all[i, j])
         assert torch.equal(s[0], s_all[i])
 

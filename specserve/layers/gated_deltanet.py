@@ -20,8 +20,9 @@ SIMD body.)
 
 Rollback: a verification piece whose drafts are rejected must leave its slot at the state after the accepted
 prefix. When asked (`StateCheckpoints`), each layer keeps the piece's pre-piece state (the fp32 [heads, d_k,
-d_v] one dominates: 1 MiB at Qwen3.5-0.8B shapes) and its per-token inputs to the conv and the recurrence;
-`GatedDeltaNet.rollback` replays the kept prefix with the same code.
+d_v] one dominates: 1 MiB at Qwen3.5-0.8B shapes), its conv inputs and, per token, the key, decay and delta
+of the state's rank-1 update; `GatedDeltaNet.rollback` replays the kept prefix's updates (two elementwise
+passes a token, no matmul), which gives bitwise the state the forward held there.
 """
 
 from __future__ import annotations
@@ -83,11 +84,9 @@ class StateRecord:
     conv: torch.Tensor  # [C, conv_dim, K - 1] conv state before the piece
     ssm: torch.Tensor  # [C, heads, d_k, d_v] delta-rule state before the piece
     mixed: torch.Tensor  # [C, T, conv_dim] conv inputs (the qkv projection)
-    k: torch.Tensor  # [C, T, key heads, d_k] post-conv, normalised
-    v: torch.Tensor  # [C, T, heads, d_v]
-    g: torch.Tensor  # [C, T, heads] log decay
+    k: torch.Tensor  # [C, T, heads, d_k] post-conv, normalised, one per value head
     decay: torch.Tensor  # [C, T, heads] exp(g)
-    beta: torch.Tensor  # [C, T, heads]
+    deltas: torch.Tensor  # [C, T, heads, d_v] the recurrence's rank-1 updates
 
 
 class StateCheckpoints:
@@ -152,6 +151,8 @@ class RecurrentLayout:
         short = [p for p in range(num_pieces) if lengths[p] <= RECURRENT_MAX_LEN]
         long = [p for p in range(num_pieces) if lengths[p] > RECURRENT_MAX_LEN]
         checkpointed = meta.checkpoints.pieces if meta.checkpoints is not None else []
+        if any(lengths[p] > RECURRENT_MAX_LEN for p in checkpointed):
+            raise ValueError(f"a piece whose state may be rolled back has at most {RECURRENT_MAX_LEN} tokens")
         return cls(
             slots=meta.state_slots.long(),
             fresh=meta.positions[starts] == 0,
@@ -171,25 +172,40 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def recurrent_delta_rule(
     state: torch.Tensor,
-    q: torch.Tensor | None,
+    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     decay: torch.Tensor,
     beta: torch.Tensor,
     valid: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token by token. state [B, H, dk, dv]; q, k [B, T, H, dk]; v [B, T, H, dv]; decay, beta [B, T, H];
-    valid [B, T] (a piece's state stops at its last token). Returns (state, out [B, T, H, dv] or None)."""
-    outs = []
+    valid [B, T] (a piece's state stops at its last token). Returns (state, out [B, T, H, dv], the
+    rank-1 updates' deltas [B, T, H, dv]: with k and decay they are all `replay_delta_rule` needs).
+
+    The state is updated in place on one private copy (a fresh 1 MiB tensor per op is what bounded it):
+    a token past a piece's end gets decay 1 and beta 0, which leaves the state bitwise as it was."""
+    state = state.clone()
+    decay = torch.where(valid[..., None], decay, 1.0)
+    beta = torch.where(valid[..., None], beta, 0.0)
+    outs, deltas = [], []
     for t in range(k.shape[1]):
         k_t = k[:, t, :, None, :]  # [B, H, 1, dk]
-        s = state * decay[:, t, :, None, None]
-        delta = (v[:, t] - (k_t @ s)[:, :, 0]) * beta[:, t, :, None]
-        s = s + k_t.transpose(-1, -2) * delta[:, :, None, :]
-        state = s if bool(valid[:, t].all()) else torch.where(valid[:, t, None, None, None], s, state)
-        if q is not None:
-            outs.append((q[:, t, :, None, :] @ state)[:, :, 0])
-    return state, torch.stack(outs, 1) if q is not None else None
+        state.mul_(decay[:, t, :, None, None])
+        delta = (v[:, t] - (k_t @ state)[:, :, 0]) * beta[:, t, :, None]
+        state.addcmul_(k_t.transpose(-1, -2), delta[:, :, None, :])
+        deltas.append(delta)
+        outs.append((q[:, t, :, None, :] @ state)[:, :, 0])
+    return state, torch.stack(outs, 1), torch.stack(deltas, 1)
+
+
+def replay_delta_rule(state: torch.Tensor, k: torch.Tensor, deltas: torch.Tensor, decay: torch.Tensor) -> None:
+    """Redo, in place on one piece's state [H, dk, dv], the updates `recurrent_delta_rule` made with keys
+    k [T, H, dk], deltas [T, H, dv] and decays [T, H]: the same two elementwise ops a token, without the
+    matmuls, so the state is bitwise the one the forward held after those T tokens."""
+    for t in range(k.shape[0]):
+        state.mul_(decay[t, :, None, None])
+        state.addcmul_(k[t, :, :, None], deltas[t, :, None, :])
 
 
 def chunked_delta_rule(
@@ -229,12 +245,13 @@ def chunked_delta_rule(
     return state, out.reshape(b, h, t, -1).transpose(1, 2)
 
 
+def _of_pieces(x: torch.Tensor, pieces: torch.Tensor) -> torch.Tensor:
+    """x's rows of these pieces; x itself when they are all of its rows (a 1 MiB copy a layer saved)."""
+    return x if len(pieces) == len(x) else x[pieces]
+
+
 def _zero_past_end(valid: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
     return [torch.where(valid.view(*valid.shape, *([1] * (x.dim() - 2))), x, 0) for x in xs]
-
-
-def _pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.cat((x, x.new_zeros(x.shape[0], width - x.shape[1], *x.shape[2:])), 1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -278,9 +295,10 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         mixed = self.in_proj_qkv(x)
-        fresh = layout.fresh
-        conv0 = torch.where(fresh[:, None, None], 0, state.conv[layout.slots])
-        ssm0 = torch.where(fresh[:, None, None, None], 0, state.ssm[layout.slots])
+        # The pieces' states before this forward (private copies: the slots are rewritten below).
+        conv0, ssm0 = state.conv.index_select(0, layout.slots), state.ssm.index_select(0, layout.slots)
+        if bool(layout.fresh.any()):
+            conv0[layout.fresh], ssm0[layout.fresh] = 0, 0
 
         buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
         buffer[layout.token_rows] = mixed
@@ -294,39 +312,42 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(n, self.num_v_heads, -1).float()
         g, decay, beta = self._gates(x)
 
-        if layout.checkpointed is not None and checkpoints is not None:
-            rows, pieces = layout.checkpointed.rows, layout.checkpointed.pieces
-            checkpoints.layers[self.layer_idx] = StateRecord(
-                slots=layout.slots[pieces],
-                lengths=layout.checkpointed.lengths,
-                conv=conv0[pieces],
-                ssm=ssm0[pieces],
-                mixed=mixed[rows],
-                k=k[rows],
-                v=v[rows],
-                g=g[rows],
-                decay=decay[rows],
-                beta=beta[rows],
-            )
-
         q, k = self._repeat_heads(q), self._repeat_heads(k)
         out = v.new_empty(n, self.num_v_heads, self.head_v_dim)
         if layout.short is not None:
             rows, valid, pieces = layout.short.rows, layout.short.valid, layout.short.pieces
-            s, o = recurrent_delta_rule(
-                ssm0[pieces], q[rows], k[rows], v[rows], decay[rows], beta[rows], valid
+            s, o, deltas = recurrent_delta_rule(
+                _of_pieces(ssm0, pieces), q[rows], k[rows], v[rows], decay[rows], beta[rows], valid
             )
             out[rows[valid]] = o[valid]
-            state.ssm[layout.slots[pieces]] = s
+            state.ssm.index_copy_(0, layout.slots[pieces], s)
+            if layout.checkpointed is not None and checkpoints is not None:
+                self._keep(checkpoints, layout, mixed, k, decay, conv0, ssm0, deltas)
         if layout.long is not None:
             rows, valid, pieces = layout.long.rows, layout.long.valid, layout.long.pieces
             ks, vs, gs, bs = _zero_past_end(valid, k[rows], v[rows], g[rows], beta[rows])
-            s, o = chunked_delta_rule(ssm0[pieces], q[rows], ks, vs, gs, bs)
+            s, o = chunked_delta_rule(_of_pieces(ssm0, pieces), q[rows], ks, vs, gs, bs)
             out[rows[valid]] = o[valid]
-            state.ssm[layout.slots[pieces]] = s
+            state.ssm.index_copy_(0, layout.slots[pieces], s)
 
         z = self.in_proj_z(x).view(n, self.num_v_heads, -1)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
+
+    def _keep(self, checkpoints, layout, mixed, k, decay, conv0, ssm0, deltas) -> None:
+        """Record what rolling back the checkpointed pieces needs (all of them are short pieces)."""
+        kept = layout.checkpointed
+        short_index = {p: i for i, p in enumerate(layout.short.pieces.tolist())}
+        which = torch.tensor([short_index[p] for p in kept.pieces.tolist()])
+        checkpoints.layers[self.layer_idx] = StateRecord(
+            slots=layout.slots[kept.pieces],
+            lengths=kept.lengths,
+            conv=conv0[kept.pieces],
+            ssm=ssm0[kept.pieces],
+            mixed=mixed[kept.rows],
+            k=k[kept.rows],
+            decay=decay[kept.rows],
+            deltas=deltas[which, : kept.rows.shape[1]],
+        )
 
     def _conv(self, buffer: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + activation of every token, a tap at a time (elementwise: exact per row)."""
@@ -359,33 +380,13 @@ class GatedDeltaNet(nn.Module):
             if not 1 <= kept <= length:
                 raise ValueError(f"piece {p}: keep must be in 1..{length}, got {kept}")
             keeps.append(kept)
-        redo = [i for i, kept in enumerate(keeps) if kept < record.lengths[i]]
-        if not redo:
-            return
-        idx, kept = torch.tensor(redo), torch.tensor([keeps[i] for i in redo])
-        slots = record.slots[idx]
-        width = int(kept.max())
-        # conv: the last K-1 inputs of [state before the piece, kept tokens]
-        inputs = torch.cat((record.conv[idx].transpose(1, 2), record.mixed[idx, :width]), 1)
-        tail = kept[:, None] + torch.arange(self.kernel_size - 1)
-        state.conv[slots] = inputs[torch.arange(len(redo))[:, None], tail].transpose(1, 2)
-        # delta rule: replay the kept tokens on the form a piece of that length takes
-        valid = torch.arange(width)[None, :] < kept[:, None]
-        k = self._repeat_heads(record.k[idx, :width])
-        v, g, decay, beta = (t[idx, :width] for t in (record.v, record.g, record.decay, record.beta))
-        short = kept <= RECURRENT_MAX_LEN
-        if short.any():
-            w = int(kept[short].max())
-            s, _ = recurrent_delta_rule(
-                record.ssm[idx][short],
-                None,
-                *(t[short, :w] for t in (k, v, decay, beta, valid)),
-            )
-            state.ssm[slots[short]] = s
-        if (~short).any():
-            lng = ~short
-            width = -(-width // CHUNK) * CHUNK
-            valid = torch.arange(width)[None, :] < kept[lng, None]
-            k, v, g, beta = _zero_past_end(valid, *(_pad_time(t[lng], width) for t in (k, v, g, beta)))
-            s, _ = chunked_delta_rule(record.ssm[idx][lng], torch.zeros_like(k), k, v, g, beta)
-            state.ssm[slots[lng]] = s
+        for i, kept in enumerate(keeps):
+            if kept == record.lengths[i]:
+                continue
+            slot = int(record.slots[i])
+            # conv: the last K-1 inputs of [state before the piece, kept tokens]
+            inputs = torch.cat((record.conv[i].T, record.mixed[i, :kept]))
+            state.conv[slot] = inputs[kept:].T
+            ssm = state.ssm[slot]
+            ssm.copy_(record.ssm[i])
+            replay_delta_rule(ssm, record.k[i, :kept], record.deltas[i, :kept], record.decay[i, :kept])
