@@ -199,7 +199,9 @@ def recurrent_delta_rule(
     return state, torch.stack(outs, 1), torch.stack(deltas, 1)
 
 
-def replay_delta_rule(state: torch.Tensor, k: torch.Tensor, deltas: torch.Tensor, decay: torch.Tensor) -> None:
+def replay_delta_rule(
+    state: torch.Tensor, k: torch.Tensor, deltas: torch.Tensor, decay: torch.Tensor
+) -> None:
     """Redo, in place on one piece's state [H, dk, dv], the updates `recurrent_delta_rule` made with keys
     k [T, H, dk], deltas [T, H, dv] and decays [T, H]: the same two elementwise ops a token, without the
     matmuls, so the state is bitwise the one the forward held after those T tokens."""
