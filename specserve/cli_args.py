@@ -35,6 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of prompt prefixes seen before",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=speculative_config,
         default=None,
@@ -51,6 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         quantization=args.quantization,
+        enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
         seed=args.seed,
     )

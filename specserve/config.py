@@ -145,6 +145,7 @@ class EngineConfig:
     seed: int = 0
     revision: str | None = None
     quantization: str | None = None  # weight-only "int8" | "int4" linear layers (specserve/layers/quant.py)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -169,6 +170,10 @@ class EngineConfig:
         )
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check_quantization(self.quantization)
+        _check(
+            isinstance(self.enable_prefix_caching, bool),
+            f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
+        )
 
     @property
     def torch_dtype(self):

@@ -18,11 +18,11 @@ import pytest
 import yaml
 
 from specserve.bench.serve.benchmark import BenchSettings, benchmark_server, read_jsonl
-from specserve.bench.serve.client import ServerDied
+from specserve.bench.serve.client import ServerDied, chats
 from specserve.bench.serve.datasets import Vocabulary, build_requests
 from specserve.bench.serve.metrics import RequestRecord, Sla, summarize
 from specserve.bench.serve.report import pareto_frontier, throughput_at, user_speed_at
-from specserve.bench.serve.spec_metrics import SpecCounters, spec_summary
+from specserve.bench.serve.server_counters import ServerCounters, prefix_cache_summary, spec_summary
 from specserve.bench.serve.sweep import load_sweep_config
 from specserve.cli import main
 from specserve.config import SpecserveError, SpeculativeConfig
@@ -82,8 +82,10 @@ def test_sla_parse():
         Sla.parse("tpot:fast")
 
 
-def _exposition(drafts, draft_tokens, accepted, per_position) -> str:
+def _exposition(drafts, draft_tokens, accepted, per_position, queries=0, hits=0) -> str:
     lines = [
+        f"specserve:prefix_cache_queries_total {queries}",
+        f"specserve:prefix_cache_hits_total {hits}",
         f"specserve:spec_decode_num_drafts_total {drafts}",
         f"specserve:spec_decode_num_draft_tokens_total {draft_tokens}",
         f"specserve:spec_decode_num_accepted_tokens_total {accepted}",
@@ -95,16 +97,18 @@ def _exposition(drafts, draft_tokens, accepted, per_position) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_spec_statistics_are_the_difference_of_two_scrapes():
-    before = SpecCounters.parse(_exposition(10, 30, 12, [8, 4, 0]))
-    after = SpecCounters.parse(_exposition(30, 90, 42, [26, 12, 4]))
+def test_spec_and_prefix_cache_statistics_are_the_difference_of_two_scrapes():
+    before = ServerCounters.parse(_exposition(10, 30, 12, [8, 4, 0], queries=100, hits=20))
+    after = ServerCounters.parse(_exposition(30, 90, 42, [26, 12, 4], queries=300, hits=170))
     summary = spec_summary(before, after)
     assert summary["num_drafts"] == 20
     assert summary["tau"] == pytest.approx(1 + 30 / 20)
     assert summary["acceptance_rate"] == pytest.approx(30 / 60)
     assert summary["acceptance_per_position"] == pytest.approx([18 / 20, 8 / 20, 4 / 20])
     assert spec_summary(before, before) is None  # no drafts: no speculation in this run
-    assert SpecCounters.parse("vllm:num_requests_running 3\n") is None
+    assert ServerCounters.parse("vllm:num_requests_running 3\n") is None
+    assert prefix_cache_summary(before, after) == {"queried_tokens": 200, "hit_tokens": 150, "hit_rate": 0.75}
+    assert prefix_cache_summary(before, before) is None  # nothing looked up: prefix caching off
 
 
 # ---- Pareto readings ---------------------------------------------------------------------------------------
@@ -149,10 +153,40 @@ def test_file_datasets(chat_model_dir, tmp_path):
         (vocabulary.tokenizer("abc").input_ids, 5),
         ([7, 8, 9], 3),  # rows repeat when more prompts are asked for
     ]
-    with pytest.raises(SpecserveError, match="random, eval:FILE or jsonl:FILE"):
+    with pytest.raises(SpecserveError, match="random, eval:FILE, jsonl:FILE or multiturn"):
         build_requests("sharegpt", 1, vocabulary, 8, 8)
     with pytest.raises(SpecserveError, match="turns"):
         build_requests(f"eval:{jsonl}", 1, vocabulary, 8, 8)
+
+
+def test_multiturn_chats_grow_turn_by_turn_and_go_to_one_worker_in_order(chat_model_dir):
+    vocabulary = Vocabulary(str(chat_model_dir))
+    requests = build_requests("multiturn:3", 5, vocabulary, input_len=20, output_len=6, seed=1)
+    assert [(r.conversation, r.turn) for r in requests] == [(c, t) for c in range(2) for t in range(3)]
+    system = requests[0].prompt_token_ids[:20]
+    for r in requests:
+        assert (
+            r.prompt_token_ids[:20] == system
+            and len(r.prompt_token_ids) == 20 + 64 * (r.turn + 1) + 6 * r.turn
+        )
+    for earlier, later in zip(requests, requests[1:]):
+        if later.turn:  # a turn extends its chat: the previous prompt, a reply, a new user message
+            assert later.prompt_token_ids[: len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
+    assert [len(chat) for chat in chats(requests + build_requests("random", 2, vocabulary, 4, 4))] == [
+        3,
+        3,
+        1,
+        1,
+    ]
+    with pytest.raises(SpecserveError, match="TURNS >= 1"):
+        build_requests("multiturn:0", 1, vocabulary, 8, 8)
+    records = [
+        RequestRecord(start=0.0, end=1.0, chunk_times=[ttft], output_tokens=1, turn=t)
+        for t, ttft in ((0, 0.5), (1, 0.1), (0, 0.7))
+    ]
+    by_turn = summarize(records, 1.0, Sla())["ttft_ms_by_turn"]
+    assert by_turn["0"]["p50"] == pytest.approx(600) and by_turn["1"]["p50"] == pytest.approx(100)
+    assert summarize(records[:1], 1.0, Sla())["ttft_ms_by_turn"] is None
 
 
 def test_presets_and_options():

@@ -70,6 +70,7 @@ def fake_target(block_size=4, greedy_generator_seed=0) -> TargetContext:
         max_num_seqs=4,
         max_num_batched_tokens=2048,
         max_model_len=512,
+        enable_prefix_caching=False,
         eos_token_ids=frozenset({2}),
         generator=torch.Generator().manual_seed(greedy_generator_seed),
     )

@@ -76,7 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="seed-8k1k: 8192 random input / 1024 output tokens; cpu-small: 512 / 64",
     )
-    bsrv.add_argument("--dataset", default=None, help="random (default), eval:FILE or jsonl:FILE")
+    bsrv.add_argument(
+        "--dataset", default=None, help="random (default), eval:FILE, jsonl:FILE or multiturn[:TURNS]"
+    )
     bsrv.add_argument("--input-len", type=int, default=None, help="random prompts (default 512)")
     bsrv.add_argument("--output-len", type=int, default=None, help="default 64")
     bsrv.add_argument(

@@ -55,6 +55,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    prefix_ids: list[int] = field(default_factory=list)  # content ids of its leading cached blocks
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
     state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -53,14 +53,10 @@ class LLMEngine:
             )
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         num_blocks = kv_cache_blocks(self.model, config, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        # Hybrid targets: a cached prefix would need the recurrent state at its end as well.
+        self.enable_prefix_caching = config.enable_prefix_caching and not self.model.has_recurrent_state
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.enable_prefix_caching)
         num_slots = config.max_num_seqs if self.model.has_recurrent_state else 0
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            SlotPool(num_slots) if num_slots else None,
-        )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, num_slots)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
@@ -70,6 +66,13 @@ class LLMEngine:
             Speculator(spec_config, self.target_context, self.runner, self.block_manager)
             if spec_config
             else None
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            SlotPool(num_slots) if num_slots else None,
+            drafter_prefix=self.speculator,
         )
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -89,6 +92,7 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
             eos_token_ids=self.eos_token_ids,
             generator=self.generator,
         )

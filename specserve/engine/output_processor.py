@@ -66,4 +66,5 @@ class OutputProcessor:
             finished=seq.is_finished,
             metrics=seq.metrics,
             error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens,
         )

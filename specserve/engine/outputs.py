@@ -29,3 +29,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

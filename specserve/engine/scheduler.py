@@ -5,19 +5,36 @@ token, or a whole sequence again after preemption. So prefill, chunked prefill a
 (as in vLLM v1). Running sequences go first (FCFS); waiting ones are admitted while the token budget,
 `max_num_seqs` and free KV blocks allow. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens, so nothing is lost.
+With prefix caching, a sequence is admitted with the longest cached chain of its full blocks (at most all
+but its last token: a step must compute something) and starts computing after it; a drafter that keeps its
+own context may shorten the hit to what it holds too (`DrafterPrefix`).
 After the step, `update_from_output` commits what was computed: verified drafts extend the cache, rejected
-ones are rolled back by length, and finished sequences leave the batch with their blocks freed.
+ones are rolled back by length, the full blocks of committed tokens join the prefix cache, and finished
+sequences leave the batch with their blocks freed.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from typing import Protocol
 
 from specserve.core.batch import PieceResult, ScheduledPiece, StepBatch
 from specserve.core.block_manager import BlockManager, SlotPool
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence, SequenceStatus
+
+
+class DrafterPrefix(Protocol):
+    """A drafter with a context of its own, which a cached target prefix must not skip."""
+
+    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
+        """How much of a target prefix hit of `num_tokens` tokens the drafter holds too (block-aligned)."""
+        ...
+
+    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """`seq` starts with its first `num_tokens` tokens cached: take the drafter's part of them."""
+        ...
 
 
 class Scheduler:
@@ -27,9 +44,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         state_slots: SlotPool | None = None,
+        drafter_prefix: DrafterPrefix | None = None,
     ):
         self.block_manager = block_manager
         self.state_slots = state_slots  # hybrid models: a recurrent-state slot per running sequence
+        self.drafter_prefix = drafter_prefix
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of them, found
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -76,10 +97,13 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_grow(seq, seq.num_computed_tokens + n):
+            cached = self._cached_prefix(seq)
+            num_cached = len(cached) * bm.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not bm.can_admit(cached, num_cached + n):
                 break
             self.waiting.popleft()
+            self._admit(seq, cached)
             bm.grow(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             if self.state_slots is not None:
@@ -88,6 +112,28 @@ class Scheduler:
             out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may start from (it is waiting, with nothing computed)."""
+        bm = self.block_manager
+        cached = bm.match(seq.all_token_ids, seq.num_tokens - 1) if bm.enable_prefix_caching else []
+        if cached and self.drafter_prefix is not None:
+            usable = self.drafter_prefix.cached_prefix_len(seq, len(cached) * bm.block_size)
+            cached = cached[: usable // bm.block_size]
+        return cached
+
+    def _admit(self, seq: Sequence, cached: list[int]) -> None:
+        bm = self.block_manager
+        num_cached = len(cached) * bm.block_size
+        if bm.enable_prefix_caching:
+            bm.attach(seq, cached)
+            if self.drafter_prefix is not None:
+                self.drafter_prefix.attach_cached_prefix(seq, num_cached)
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += num_cached
+            if seq.metrics.first_scheduled_time is None:
+                seq.num_cached_tokens = num_cached
+        seq.num_computed_tokens = num_cached
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self._release(seq)
@@ -102,11 +148,11 @@ class Scheduler:
         them (rejected drafts) go back to the free list, a length change; finished sequences leave."""
         for piece, result in zip(batch.pieces, results):
             seq = piece.seq
+            seq.num_computed_tokens += piece.num_tokens + (result.num_accepted if result is not None else 0)
+            self.block_manager.commit(seq, seq.num_computed_tokens, lambda seq=seq: seq.all_token_ids)
             if seq.is_finished:
                 self.finish(seq)
-                continue
-            seq.num_computed_tokens += piece.num_tokens + (result.num_accepted if result is not None else 0)
-            if piece.draft is not None:
+            elif piece.draft is not None:
                 self.block_manager.shrink(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence) -> None:

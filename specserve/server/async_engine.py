@@ -59,6 +59,7 @@ class EngineUpdate:
     index: int
     output: CompletionOutput
     num_prompt_tokens: int
+    num_cached_tokens: int
     metrics: RequestMetrics
     finished: bool
     num_drafts: int  # this choice's verification rounds and accepted draft tokens so far
@@ -73,6 +74,8 @@ class EngineSnapshot:
     num_waiting: int = 0
     num_used_blocks: int = 0
     num_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, and found there
+    prefix_cache_hits: int = 0
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)
     calibration_ece: list[float] = dataclasses.field(default_factory=list)  # live ECE per draft position
 
@@ -317,6 +320,7 @@ class AsyncEngine:
                 index=live.index,
                 output=completion,
                 num_prompt_tokens=len(output.prompt_token_ids),
+                num_cached_tokens=output.num_cached_tokens,
                 metrics=output.metrics,
                 finished=output.finished,
                 num_drafts=live.seq.spec_stats.num_drafts,
@@ -347,6 +351,8 @@ class AsyncEngine:
             num_waiting=len(self.engine.scheduler.waiting),
             num_used_blocks=self.engine.block_manager.num_used_blocks,
             num_blocks=self.engine.block_manager.num_blocks,
+            prefix_cache_queries=self.engine.scheduler.prefix_queries,
+            prefix_cache_hits=self.engine.scheduler.prefix_hits,
             spec=dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)),
             calibration_ece=spec.calibration.ece_per_position() if spec is not None else [],
         )

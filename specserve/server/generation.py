@@ -28,6 +28,7 @@ from specserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    PromptTokensDetails,
     SamplingFields,
     Usage,
 )
@@ -81,9 +82,15 @@ class Generation:
 
     def usage(self) -> Usage:
         # Choices of one prompt share it: count each prompt once.
-        prompt = sum(u.num_prompt_tokens for i, u in self.latest.items() if i % self.body.n == 0)
+        firsts = [u for i, u in self.latest.items() if i % self.body.n == 0]
+        prompt = sum(u.num_prompt_tokens for u in firsts)
         completion = sum(len(u.output.token_ids) for u in self.latest.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(u.num_cached_tokens for u in firsts)),
+        )
 
     def opening_chunks(self) -> list[BaseModel]:
         return []

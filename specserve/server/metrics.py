@@ -133,6 +133,16 @@ class _EngineCollector(Collector):
             "specserve:kv_cache_used_blocks", "KV cache blocks in use", value=snap.num_used_blocks
         )
         yield GaugeMetricFamily("specserve:kv_cache_total_blocks", "KV cache blocks", value=snap.num_blocks)
+        yield CounterMetricFamily(
+            "specserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=snap.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "specserve:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            value=snap.prefix_cache_hits,
+        )
         spec = snap.spec
         yield CounterMetricFamily(
             "specserve:spec_decode_num_drafts", "Verification rounds with draft tokens", value=spec.num_drafts

@@ -24,6 +24,7 @@ class TargetContext:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    enable_prefix_caching: bool  # drafters with a cache of their own cache prefixes too
     eos_token_ids: frozenset[int]
     generator: torch.Generator  # unseeded requests draw from the engine's generator
 

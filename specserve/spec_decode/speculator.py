@@ -192,3 +192,10 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         """`seq` finished, was aborted or preempted: the drafter drops what it holds for it."""
         self.drafter.release(seq)
+
+    # The scheduler's DrafterPrefix: a prefix-cache hit may go only as far as the drafter's own context.
+    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
+        return self.drafter.cached_prefix_len(seq, num_tokens)
+
+    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        self.drafter.attach_cached_prefix(seq, num_tokens)

@@ -17,13 +17,13 @@ from specserve.bench.serve.client import (
     ServerDied,
     open_client,
     run_at_concurrency,
+    server_counters,
     server_info,
-    spec_counters,
     stream_completion,
 )
 from specserve.bench.serve.datasets import BenchRequest, Vocabulary, build_requests
 from specserve.bench.serve.metrics import Sla, summarize
-from specserve.bench.serve.spec_metrics import spec_summary
+from specserve.bench.serve.server_counters import prefix_cache_summary, spec_summary
 from specserve.config import SpecserveError
 
 # Random prompts of fixed lengths: the seed's figure (8K in / 1K out) and one sized for a 2-core CPU.
@@ -119,7 +119,7 @@ async def benchmark_server(
                 settings.output_len,
                 settings.seed,
             )
-            before = await spec_counters(client)
+            before = await server_counters(client)
             run = await _run_with_progress(client, info.model, requests, concurrency, settings, label)
             result = {
                 "label": label,
@@ -131,7 +131,8 @@ async def benchmark_server(
                 "num_prompts": len(requests),
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **summarize(run.records, run.duration_s, settings.sla),
-                "spec": spec_summary(before, await spec_counters(client)),
+                "spec": spec_summary(before, after := await server_counters(client)),
+                "prefix_cache": prefix_cache_summary(before, after),
                 "error": run.server_error,
             }
             append_jsonl(output, result)
@@ -196,8 +197,13 @@ def format_result(result: dict) -> str:
         f"TPOT p50 {p50('tpot_ms', ' ms')}",
         f"goodput {result['goodput']:.2f} req/s",
     ]
+    if result.get("ttft_ms_by_turn"):
+        by_turn = " / ".join(f"{stats['p50']:.0f}" for stats in result["ttft_ms_by_turn"].values())
+        clauses.append(f"TTFT p50 by turn {by_turn} ms")
     if spec:
         clauses.append(f"tau {spec['tau']:.2f}")
+    if result.get("prefix_cache"):
+        clauses.append(f"prefix cache hits {100 * result['prefix_cache']['hit_rate']:.0f}%")
     if result["error"]:
         clauses.append(f"STOPPED: {result['error']}")
     return f"{result['label']} concurrency {result['concurrency']}: " + ", ".join(clauses)

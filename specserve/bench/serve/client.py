@@ -9,16 +9,17 @@ counting chunks is not.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import httpx
 
 from specserve.bench.serve.datasets import BenchRequest
 from specserve.bench.serve.metrics import RequestRecord
-from specserve.bench.serve.spec_metrics import SpecCounters
+from specserve.bench.serve.server_counters import ServerCounters
 from specserve.config import SpecserveError
 
 CONNECT_TIMEOUT_S = 10.0
@@ -82,13 +83,13 @@ async def is_alive(client: httpx.AsyncClient) -> bool:
     return response.status_code < 500
 
 
-async def spec_counters(client: httpx.AsyncClient) -> SpecCounters | None:
+async def server_counters(client: httpx.AsyncClient) -> ServerCounters | None:
     """The speculative counters on /metrics; None when the server exports none or does not answer."""
     try:
         response = await client.get("/metrics", timeout=PROBE_TIMEOUT_S)
     except httpx.HTTPError:
         return None
-    return SpecCounters.parse(response.text) if response.status_code == 200 else None
+    return ServerCounters.parse(response.text) if response.status_code == 200 else None
 
 
 async def stream_completion(
@@ -104,7 +105,7 @@ async def stream_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    record = RequestRecord(start=time.perf_counter())
+    record = RequestRecord(start=time.perf_counter(), turn=request.turn)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -162,18 +163,20 @@ async def run_at_concurrency(
     temperature: float,
     on_record: Callable[[RequestRecord], None] = lambda record: None,
 ) -> RunRecords:
-    """Send `requests` with `concurrency` in flight until all are done. A failed request that leaves the
-    server unhealthy stops the run (RunRecords.server_error says why); the records so far are kept."""
-    pending = iter(requests)  # shared by the workers: each request goes to exactly one
+    """Send `requests` with `concurrency` in flight until all are done; the turns of one chat go to one
+    worker, in order. A failed request that leaves the server unhealthy stops the run
+    (RunRecords.server_error says why); the records so far are kept."""
+    pending = chats(requests)  # shared by the workers: each chat goes to exactly one
     records: list[RequestRecord] = []
 
     async def worker() -> None:
-        for request in pending:
-            record = await stream_completion(client, model, request, temperature)
-            records.append(record)
-            on_record(record)
-            if record.error and not await is_alive(client):
-                raise _ServerGone(record.error)
+        for chat in pending:
+            for request in chat:
+                record = await stream_completion(client, model, request, temperature)
+                records.append(record)
+                on_record(record)
+                if record.error and not await is_alive(client):
+                    raise _ServerGone(record.error)
 
     start = time.perf_counter()
     server_error = None
@@ -184,6 +187,14 @@ async def run_at_concurrency(
     except* _ServerGone as gone:
         server_error = str(gone.exceptions[0])
     return RunRecords(records, time.perf_counter() - start, server_error)
+
+
+def chats(requests: Iterable[BenchRequest]) -> Iterator[list[BenchRequest]]:
+    """Consecutive requests of one conversation as one list; a request of none stands alone."""
+    solo = itertools.count()
+    key = lambda r: ("chat", r.conversation) if r.conversation is not None else ("solo", next(solo))
+    for _, group in itertools.groupby(requests, key=key):
+        yield list(group)
 
 
 class _ServerGone(Exception):

@@ -14,6 +14,7 @@ Definitions (those of `vllm bench serve`):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    turn: int = 0  # of its chat (multi-turn datasets)
 
     @property
     def ok(self) -> bool:
@@ -138,4 +140,13 @@ def summarize(records: list[RequestRecord], duration_s: float, sla: Sla) -> dict
         "e2e_ms": distribution([r.e2e for r in done], 1000),
         "user_tokens_per_s": distribution([r.user_tokens_per_s for r in done if r.user_tokens_per_s]),
         "errors": dict(Counter(r.error for r in records if not r.ok).most_common(5)),
+        "ttft_ms_by_turn": _by_turn(done, lambda r: r.ttft, 1000),
     }
+
+
+def _by_turn(records: list[RequestRecord], value: Callable[[RequestRecord], float], scale: float):
+    """A distribution per chat turn (multi-turn datasets); None for single-turn runs."""
+    turns = sorted({r.turn for r in records})
+    if len(turns) < 2:
+        return None
+    return {str(t): distribution([value(r) for r in records if r.turn == t], scale) for t in turns}

@@ -176,13 +176,16 @@ def _format_reading(reading: Reading | None, reference: Reading | None) -> str:
 def _run_table(runs: list[dict]) -> list[str]:
     rows = [
         "| configuration | concurrency | ok / failed | output tok/s | per-user tok/s p50 | TTFT p50 / p99 ms "
-        "| TPOT p50 / p99 ms | ITL p50 ms | goodput req/s | tau | acceptance by position | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| TPOT p50 / p99 ms | ITL p50 ms | goodput req/s | tau | acceptance by position | prefix cache hits "
+        "| note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for run in runs:
         spec = run["spec"]
         tau = f"{spec['tau']:.2f}" if spec else "-"
         acceptance = " / ".join(f"{a:.2f}" for a in spec["acceptance_per_position"]) if spec else "-"
+        cache = run.get("prefix_cache")  # absent in results written before the counters existed
+        hits = f"{100 * cache['hit_rate']:.0f}%" if cache else "-"
         note = f"partial: {run['error']}" if run["error"] else ""
         rows.append(
             f"| {run['label']} | {run['concurrency']} | {run['completed']} / {run['failed']} "
@@ -190,7 +193,7 @@ def _run_table(runs: list[dict]) -> list[str]:
             f"| {_stat(run, 'ttft_ms', 'p50')} / {_stat(run, 'ttft_ms', 'p99')} "
             f"| {_stat(run, 'tpot_ms', 'p50')} / {_stat(run, 'tpot_ms', 'p99')} "
             f"| {_stat(run, 'itl_ms', 'p50')} | {_num(run['goodput'])} "
-            f"| {tau} | {acceptance} | {note} |"
+            f"| {tau} | {acceptance} | {hits} | {note} |"
         )
     return rows
 

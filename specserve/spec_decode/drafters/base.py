@@ -48,6 +48,15 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: drop whatever the drafter holds for it."""
 
+    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
+        """How much of a target prefix-cache hit of `num_tokens` tokens the drafter can start from. Only
+        a drafter whose context comes from the target's forward (its features) limits it: it must hold
+        that context cached itself. The others catch up from the tokens."""
+        return num_tokens
+
+    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """`seq` starts with its first `num_tokens` tokens in the target's cache (no forward over them)."""
+
 
 def sample_drafts(
     logits: torch.Tensor,

@@ -6,9 +6,12 @@ after rounds that drafted nothing), the others one drafted token each. Drafts ar
 request's own sampling parameters and their q rows kept for rejection sampling. A scheduled verify policy
 decides before each forward which sequences draft on (`keep_drafting`).
 
-Rejected drafts are rolled back by length in the paged KV cache. A hybrid draft model's recurrent state
+With prefix caching, the full blocks of tokens it has fed join its own prefix cache, and a new request
+starts from the longest cached chain of its tokens. Rejected drafts are rolled back by length in the
+paged KV cache. A hybrid draft model's recurrent state
 cannot be: after each round's first forward (every committed token fed) the drafter snapshots it, and a
-round that finds drafts rejected restores the snapshot and feeds the accepted ones again.
+round that finds drafts rejected restores the snapshot and feeds the accepted ones again (and no prefix
+cache: a cached block would need the recurrent state at its end too).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class DraftState:
 
     fed: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    prefix_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # hybrid draft models: the recurrent state after `fed`
     snapshot: object | None = None  # that state after the first `snapshot_len` tokens of `fed`
     snapshot_len: int = 0
@@ -56,7 +60,9 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model, num_blocks: int, target: TargetContext):
         num_slots = target.max_num_seqs if model.has_recurrent_state else 0
         self.runner = ModelRunner(model, num_blocks, target.block_size, target.torch_dtype, num_slots)
-        self.blocks = BlockManager(num_blocks, target.block_size)
+        self.blocks = BlockManager(
+            num_blocks, target.block_size, target.enable_prefix_caching and not num_slots
+        )
         self.slots = SlotPool(num_slots) if num_slots else None
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
@@ -143,7 +149,12 @@ class DraftModelDrafter(Drafter):
 
     def backlog(self, seq: Sequence) -> int:
         state = self.states.get(seq.request_id)
-        return seq.num_tokens - self._kept(state, seq) if state is not None else seq.num_tokens
+        if state is None:
+            return (
+                seq.num_tokens
+                - len(self.blocks.match(seq.all_token_ids, seq.num_tokens - 1)) * self.blocks.block_size
+            )
+        return seq.num_tokens - self._kept(state, seq)
 
     def _kept(self, state: DraftState, seq: Sequence) -> int:
         """Cached tokens still a prefix of the sequence; the newest token is always fed again, so that
@@ -161,9 +172,13 @@ class DraftModelDrafter(Drafter):
             state = self.states[seq.request_id] = DraftState()
             if self.slots is not None:
                 self.slots.take(state)
+            self.blocks.attach(state, self.blocks.match(seq.all_token_ids, seq.num_tokens - 1))
+            state.fed = seq.all_token_ids[: len(state.block_table) * self.blocks.block_size]
         keep = self._kept(state, seq)
         if keep < len(state.fed) and keep and self.slots is not None:
             self.runner.restore_states(state.state_slot, state.snapshot)
         del state.fed[keep:]
         self.blocks.shrink(state, keep)
+        # What is kept stays: later rounds keep at least as much (the sequence only grows by verified tokens).
+        self.blocks.commit(state, keep, lambda: seq.all_token_ids)
         return state

@@ -98,7 +98,7 @@ class DSparkDrafter(HiddenStateDrafter):
         block_ids = torch.full((len(seqs), B), self.mask_token_id)
         block_ids[:, 0] = torch.tensor([s.all_token_ids[-1] for s in seqs])
         h = self.model.backbone(self.model.embed(block_ids.reshape(-1)), context, batch)
-        self.roll_back(states, anchors)  # keep the context rows (< a); the block rows go
+        self.roll_back(seqs, states, anchors)  # keep the context rows (< a); the block rows go
         return h.view(len(seqs), B, -1)
 
     @torch.inference_mode()

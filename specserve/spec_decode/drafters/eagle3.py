@@ -24,6 +24,8 @@ from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenSt
 
 
 class Eagle3Drafter(HiddenStateDrafter):
+    context_lookahead = 1  # context row t reads the token at t + 1
+
     def __init__(
         self,
         model: Eagle3DraftModel,
@@ -88,7 +90,7 @@ class Eagle3Drafter(HiddenStateDrafter):
             peak_rows.append(peaks)
             for d, token in zip(drafted, new):
                 d.append(token)
-        self.roll_back(states, anchors)
+        self.roll_back(seqs, states, anchors)
         probs, confidences = torch.stack(q_rows, dim=1), torch.stack(peak_rows, dim=1)
         return [
             DraftProposal(d, probs[r], confidences[r]).truncate(self._length(d, seq))

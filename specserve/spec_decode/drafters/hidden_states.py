@@ -27,6 +27,7 @@ class ContextState:
     """One request's draft context: rows [0, num_cached) are in the draft cache, then `pending` rows."""
 
     block_table: list[int] = field(default_factory=list)
+    prefix_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
     num_pending: int = 0
@@ -72,7 +73,13 @@ class DrafterLayout:
 
 class HiddenStateDrafter(Drafter):
     """`observe` collects the target features of each position in order; a subclass's `propose` turns
-    the pending rows into draft cache entries and drafts from them."""
+    the pending rows into draft cache entries and drafts from them.
+
+    With prefix caching the full blocks of context rows join the drafter's own prefix cache, keyed by
+    the tokens they were computed from (`context_lookahead` tokens past the block too, when a row reads
+    the next token), so a request whose prompt starts from the target's cache finds its context there."""
+
+    context_lookahead = 0
 
     def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
@@ -84,7 +91,9 @@ class HiddenStateDrafter(Drafter):
         # Room for every context row the target can hold, plus the drafted rows of every running request.
         per_request = -(-extra_tokens_per_request // cache_block) + 1
         num_blocks = target.num_kv_blocks + target.max_num_seqs * per_request
-        self.blocks = BlockManager(num_blocks, cache_block)
+        self.blocks = BlockManager(
+            num_blocks, cache_block, target.enable_prefix_caching, lookahead=self.context_lookahead
+        )
         shape = (num_blocks, cache_block, layout.num_kv_heads, layout.head_dim)
         dtype = target.torch_dtype
         self.caches = [
@@ -129,6 +138,15 @@ class HiddenStateDrafter(Drafter):
         if state is not None:
             self.blocks.shrink(state, 0)
 
+    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
+        return len(self.blocks.match(seq.all_token_ids, num_tokens)) * self.blocks.block_size
+
+    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        self.release(seq)
+        if num_tokens:
+            state = self.states[seq.request_id] = ContextState(num_cached=num_tokens)
+            self.blocks.attach(state, self.blocks.match(seq.all_token_ids, num_tokens))
+
     def ready(self, seqs: list[Sequence]) -> list[int]:
         """Indices of the sequences whose every position before the anchor has been handed over."""
         return [
@@ -169,8 +187,10 @@ class HiddenStateDrafter(Drafter):
             caches=self.caches,
         )
 
-    def roll_back(self, states: list[ContextState], lengths: list[int]) -> None:
-        """Keep the first `lengths[i]` rows of each request's draft cache (a length change)."""
-        for state, n in zip(states, lengths):
+    def roll_back(self, seqs: list[Sequence], states: list[ContextState], lengths: list[int]) -> None:
+        """Keep the first `lengths[i]` rows of each request's draft cache (a length change): its context
+        rows, which are final (full blocks of them join the prefix cache)."""
+        for seq, state, n in zip(seqs, states, lengths):
             state.num_cached = n
             self.blocks.shrink(state, n)
+            self.blocks.commit(state, n, lambda seq=seq: seq.all_token_ids)

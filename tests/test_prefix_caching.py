@@ -1,0 +1,250 @@
+"""Prefix caching: the block manager's chains, sharing and eviction; outputs with caching equal to an
+engine without it, request by request, plain and under every kind of drafter; cached blocks never written;
+what users see (num_cached_tokens, usage, metrics)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import openai
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.core.block_manager import BlockManager
+from tests.server_harness import MODEL_NAME, running_server, wait_until
+from tests.test_speculative import greedy_bigram_bias, repetitive_prompts
+from tests.tiny_models import VOCAB, save_tiny_chat_model, save_tiny_drafter
+
+BLOCK = 4
+
+
+def owner() -> SimpleNamespace:
+    return SimpleNamespace(block_table=[], prefix_ids=[])
+
+
+def computed(bm: BlockManager, tokens: list[int]) -> SimpleNamespace:
+    """An owner that computed and committed `tokens`."""
+    seq = owner()
+    bm.grow(seq, len(tokens))
+    bm.commit(seq, len(tokens), lambda: tokens)
+    return seq
+
+
+# ---- the block manager ----------------------------------------------------------------------------------
+def test_full_committed_blocks_are_found_by_their_token_chain():
+    bm = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    tokens = list(range(10, 20))
+    a = computed(bm, tokens)
+    assert bm.num_cached_blocks == 2  # the partial third block is not cached
+    assert bm.match(tokens, len(tokens) - 1) == a.block_table[:2]
+    assert bm.match(tokens, 7) == a.block_table[:1]  # at most max_tokens
+    assert bm.match(tokens[:4] + [0, 0, 0, 0], 8) == a.block_table[:1]
+    assert bm.match([0] + tokens[1:], 9) == []
+    # a block's key is its whole prefix: the same tokens after another first block are another block
+    assert bm.match([0, 0, 0, 0] + tokens[4:8], 8) == []
+    assert BlockManager(8, BLOCK).match(tokens, 9) == []  # off
+
+
+def test_only_committed_tokens_are_cached():
+    bm = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    seq, tokens = owner(), list(range(12))
+    bm.grow(seq, 12)
+    bm.commit(seq, 7, lambda: tokens)  # say, 7 verified and 5 drafts in flight
+    assert bm.match(tokens, 11) == seq.block_table[:1]
+    bm.shrink(seq, 7)  # drafts rejected: a length change that keeps the cached block
+    assert bm.match(tokens, 11) == seq.block_table[:1] and len(seq.block_table) == 2
+
+
+def test_shared_blocks_are_held_by_reference_and_evicted_tail_first_when_unowned():
+    bm = BlockManager(4, BLOCK, enable_prefix_caching=True)
+    tokens = list(range(8))
+    a = computed(bm, tokens)
+    table, b = list(a.block_table), owner()
+    hit = bm.match(tokens, 7)
+    assert bm.can_admit(hit, 8)
+    bm.attach(b, hit)
+    assert b.block_table == table[:1] and bm.ref_counts[hit[0]] == 2
+    bm.free(a)
+    assert bm.ref_counts[hit[0]] == 1 and bm.num_free_blocks == 3  # a's second block: cached, unowned
+    bm.free(b)
+    assert bm.num_free_blocks == 4 and bm.num_used_blocks == 0 and bm.num_cached_blocks == 2
+    assert bm.match(tokens, 8) == table
+    c = owner()
+    bm.grow(c, 8)  # the two empty blocks first
+    assert bm.num_cached_blocks == 2
+    bm.grow(c, 12)  # then the least recently freed cached block: the chain's tail went first
+    assert bm.match(tokens, 8) == table[:1] and bm.num_cached_blocks == 1
+    assert not bm.can_admit(bm.match(tokens, 8), 8)  # the head is unowned: taking it costs a free block
+    assert bm.can_admit(bm.match(tokens, 8), 4)
+
+
+def test_a_block_computed_twice_continues_the_chain_and_stays_private():
+    bm = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    tokens = list(range(12))
+    a, b = computed(bm, tokens[:4]), computed(bm, tokens[:4])
+    assert bm.num_cached_blocks == 1 and a.prefix_ids == b.prefix_ids
+    bm.grow(b, 12)
+    bm.commit(b, 12, lambda: tokens)  # b's next blocks chain on a's first block
+    assert bm.match(tokens, 12) == [a.block_table[0], *b.block_table[1:3]]
+    bm.free(b)
+    assert b.block_table == [] and bm.num_free_blocks == 7  # its private twin went back to the free list
+
+
+def test_lookahead_keys_include_the_tokens_after_a_block():
+    bm = BlockManager(8, 2, enable_prefix_caching=True, lookahead=1)
+    a = computed(bm, [1, 2, 3, 4, 5])
+    assert bm.num_cached_blocks == 2  # block 1 ([3, 4]) was computed with token 5 after it
+    assert bm.match([1, 2, 3, 4, 5, 6], 5) == a.block_table[:2]
+    assert bm.match([1, 2, 3, 4, 9, 6], 5) == a.block_table[:1]
+
+
+# ---- the engine -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir):
+    return str(tiny_model_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def spec_configs(target_dir, tiny_model_dir, tmp_path_factory):
+    bias = greedy_bigram_bias(target_dir)
+    dspark = save_tiny_drafter(target_dir, tmp_path_factory.mktemp("dspark"), std=0.2, markov_bias=bias)
+    eagle3 = save_tiny_drafter(target_dir, tmp_path_factory.mktemp("eagle3"), std=0.2, eagle3=True)
+    return {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        "draft_model": {
+            "method": "draft_model",
+            "model": str(tiny_model_dir("qwen2")),
+            "num_speculative_tokens": 3,
+        },
+        "dspark": {"method": "dspark", "model": str(dspark)},
+        "eagle3": {"method": "eagle3", "model": str(eagle3), "num_speculative_tokens": 3},
+    }
+
+
+def conversation(seed: int = 5) -> list[list[int]]:
+    """A, B, A, A continued (A + a reply + a new turn), B: shared prefixes of every kind."""
+    g = torch.Generator().manual_seed(seed)
+    system = repetitive_prompts(1, seed=seed)[0] * 2
+    a = system + torch.randint(3, VOCAB, (9,), generator=g).tolist()
+    b = system[:21] + torch.randint(3, VOCAB, (30,), generator=g).tolist()
+    continued = a + torch.randint(3, VOCAB, (23,), generator=g).tolist()
+    return [a, b, a, continued, b]
+
+
+def serve_one_by_one(llm: LLM, requests: list[list[int]], params: list[SamplingParams]):
+    return [llm.generate([r], p)[0] for r, p in zip(requests, params)]
+
+
+def sampling(n: int, temperature: float) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=7 + i) for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model", "dspark", "eagle3"])
+def test_outputs_with_caching_equal_outputs_without(method, temperature, spec_configs, target_dir):
+    spec = spec_configs[method]
+    requests, params = conversation(), sampling(5, temperature)
+    engines = {
+        on: LLM(
+            target_dir, max_model_len=256, block_size=BLOCK, enable_prefix_caching=on, speculative_config=spec
+        )
+        for on in (True, False)
+    }
+    cached, uncached = (serve_one_by_one(engines[on], requests, params) for on in (True, False))
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+    hits = [o.num_cached_tokens for o in cached]
+    a, b, _, continued, _ = requests
+    assert hits[0] == 0 and hits[1] == 20  # B shares A's first 21 tokens: 5 whole blocks
+    assert hits[2] == (len(a) - 1) // BLOCK * BLOCK  # all of A but its last token's block
+    assert hits[3] >= len(a) // BLOCK * BLOCK  # A's prompt and part of its reply
+    assert hits[4] == (len(b) - 1) // BLOCK * BLOCK
+    assert all(o.num_cached_tokens == 0 for o in uncached)
+    for llm in engines.values():
+        assert llm.engine.block_manager.num_used_blocks == 0
+    if spec is not None:
+        assert engines[True].engine.spec_stats.num_drafts > 0
+
+
+def test_cached_blocks_are_never_written(target_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = LLM(target_dir, max_model_len=256, block_size=BLOCK, speculative_config=spec)
+    a, _, _, continued, _ = conversation()
+    llm.generate([a], sampling(1, 0.0)[0])
+    bm, caches = llm.engine.block_manager, llm.engine.runner.kv_caches
+    shared = bm.match(a, len(a))
+
+    def checksum() -> list[torch.Tensor]:
+        return [torch.cat([c.k[shared].flatten(), c.v[shared].flatten()]).clone() for c in caches]
+
+    before = checksum()
+    # Speculative rounds of several requests sharing those blocks, at once and one after another.
+    llm.generate([a, continued, a + [5, 6, 7]], sampling(3, 0.0))
+    llm.generate([continued], sampling(1, 0.8)[0])
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert all(torch.equal(x, y) for x, y in zip(before, checksum()))
+
+
+def test_eviction_under_a_tight_kv_budget_keeps_outputs_exact(target_dir):
+    requests = conversation() + repetitive_prompts(6, seed=11) + conversation()
+    params = sampling(len(requests), 0.0)
+    tight = LLM(target_dir, max_model_len=128, block_size=BLOCK, kv_cache_memory="96KiB", max_num_seqs=2)
+    roomy = LLM(target_dir, max_model_len=128, block_size=BLOCK, enable_prefix_caching=False)
+    blocks = tight.engine.block_manager.num_blocks
+    assert blocks < sum(len(r) + 24 for r in requests) // BLOCK  # the cache cannot keep everything
+    got = tight.generate(requests, params)
+    want = serve_one_by_one(roomy, requests, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert tight.engine.block_manager.num_used_blocks == 0
+    assert tight.engine.block_manager.num_cached_blocks <= blocks
+
+
+def test_many_requests_sharing_a_system_prompt_at_once(target_dir):
+    system = repetitive_prompts(1, seed=2)[0] * 3
+    g = torch.Generator().manual_seed(3)
+    requests = [system + torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in range(2, 12)]
+    params = sampling(len(requests), 0.0)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    cached = LLM(target_dir, max_model_len=256, block_size=BLOCK, max_num_seqs=4, speculative_config=spec)
+    plain = LLM(target_dir, max_model_len=256, block_size=BLOCK, enable_prefix_caching=False)
+    got = cached.generate(requests, params)
+    assert [o.outputs[0].token_ids for o in got] == [
+        o.outputs[0].token_ids for o in plain.generate(requests, params)
+    ]
+    # the first four are admitted together (nothing cached yet); the later ones start from their blocks
+    assert [o.num_cached_tokens for o in got[:4]] == [0] * 4
+    assert all(o.num_cached_tokens == len(system) // BLOCK * BLOCK for o in got[4:])
+    assert cached.engine.scheduler.prefix_hits == sum(o.num_cached_tokens for o in got)
+
+
+def test_hybrid_targets_run_without_a_prefix_cache(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("qwen3_5")), max_model_len=128)
+    requests = conversation()[:3]
+    outs = llm.generate(requests, sampling(3, 0.0))
+    assert not llm.engine.block_manager.enable_prefix_caching
+    assert all(o.num_cached_tokens == 0 for o in outs)
+
+
+# ---- what users see -------------------------------------------------------------------------------------
+def test_usage_and_metrics_report_cached_tokens(tmp_path):
+    model_dir = save_tiny_chat_model("qwen3", tmp_path / "chat")
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. " * 8},
+        {"role": "user", "content": "Hi"},
+    ]
+    with running_server(model_dir, max_model_len=512) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
+        first, second = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < second.usage.prompt_tokens
+        assert first.choices[0].message.content == second.choices[0].message.content
+        expected = {
+            ("specserve:prefix_cache_queries_total", ()): 2 * first.usage.prompt_tokens,
+            ("specserve:prefix_cache_hits_total", ()): cached,
+        }
+        wait_until(lambda: {k: srv.metrics().get(k) for k in expected} == expected, what="metrics to settle")
