@@ -41,6 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         help="reuse the KV cache of prompt prefixes seen before",
     )
     parser.add_argument(
+        "--state-checkpoint-interval",
+        type=int,
+        default=256,
+        help="hybrid targets' prefix cache: keep the recurrent state every this many tokens",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=speculative_config,
         default=None,
@@ -58,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         quantization=args.quantization,
         enable_prefix_caching=args.enable_prefix_caching,
+        state_checkpoint_interval=args.state_checkpoint_interval,
         speculative_config=args.speculative_config,
         seed=args.seed,
     )

@@ -146,6 +146,9 @@ class EngineConfig:
     revision: str | None = None
     quantization: str | None = None  # weight-only "int8" | "int4" linear layers (specserve/layers/quant.py)
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    # Hybrid targets with prefix caching: the recurrent state is kept at every multiple of this many
+    # tokens (a multiple of block_size; 64 keeps the chunked delta rule's chunks where they would be).
+    state_checkpoint_interval: int = 256
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -173,6 +176,13 @@ class EngineConfig:
         _check(
             isinstance(self.enable_prefix_caching, bool),
             f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
+        )
+        _check(
+            isinstance(self.state_checkpoint_interval, int)
+            and self.state_checkpoint_interval >= self.block_size
+            and self.state_checkpoint_interval % self.block_size == 0,
+            f"state_checkpoint_interval must be a positive multiple of block_size ({self.block_size}), "
+            f"got {self.state_checkpoint_interval!r}",
         )
 
     @property

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.core.block_manager import BlockManager
+from specserve.core.block_manager import BlockManager, PrefixStates
+from specserve.worker.model_runner import kv_bytes_per_block, state_bytes_per_slot
 from tests.server_harness import MODEL_NAME, running_server, wait_until
 from tests.test_speculative import greedy_bigram_bias, repetitive_prompts
-from tests.tiny_models import VOCAB, save_tiny_chat_model, save_tiny_drafter
+from tests.tiny_models import VOCAB, save_tiny_chat_model, save_tiny_drafter, save_tiny_model, save_tiny_mtp
 
 BLOCK = 4
 
@@ -220,11 +221,65 @@ def test_many_requests_sharing_a_system_prompt_at_once(target_dir):
     assert cached.engine.scheduler.prefix_hits == sum(o.num_cached_tokens for o in got)
 
 
-def test_hybrid_targets_run_without_a_prefix_cache(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("qwen3_5")), max_model_len=128)
-    requests = conversation()[:3]
-    outs = llm.generate(requests, sampling(3, 0.0))
-    assert not llm.engine.block_manager.enable_prefix_caching
+def test_state_checkpoints_are_kept_at_intervals_and_reused_least_recently_used_last():
+    states = PrefixStates(range(10, 12), interval=8, block_size=4)
+    assert states.slot_for(101, 1) is None  # 4 tokens: not at an interval
+    assert states.slot_for(102, 2) == 10 and states.slot_for(102, 2) is None  # kept once
+    assert states.slot_for(104, 4) == 11
+    assert states.usable([101, 102, 103, 104, 105]) == 4  # the longest kept prefix within the hit
+    assert states.usable([101, 102, 103]) == 2 and states.usable([101, 999]) == 0
+    assert states.take(102) == 10  # used: now the most recent
+    assert states.slot_for(106, 2) == 11  # full: the least recently used (104's) slot is reused
+    assert states.usable([101, 102, 103, 104]) == 2
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return str(save_tiny_mtp(save_tiny_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))))
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "mtp"])
+def test_hybrid_outputs_with_caching_equal_outputs_without(method, hybrid_dir):
+    spec = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+    }[method]
+    requests, params = conversation(), sampling(5, 0.0)
+    engines = {
+        on: LLM(
+            hybrid_dir,
+            max_model_len=256,
+            block_size=BLOCK,
+            state_checkpoint_interval=4 * BLOCK,
+            enable_prefix_caching=on,
+            speculative_config=spec,
+        )
+        for on in (True, False)
+    }
+    cached, uncached = (serve_one_by_one(engines[on], requests, params) for on in (True, False))
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+    hits = [o.num_cached_tokens for o in cached]
+    interval = 4 * BLOCK
+    assert hits[0] == 0 and hits[1] == 16  # B shares 21 tokens with A: the state is kept at 16
+    assert hits[2] == (len(requests[0]) - 1) // interval * interval
+    assert hits[3] >= hits[2] and hits[4] == (len(requests[1]) - 1) // interval * interval
+    assert engines[True].engine.block_manager.num_used_blocks == 0
+
+
+def test_a_hybrid_target_without_room_for_state_checkpoints_caches_nothing(tiny_model_dir):
+    model_dir = str(tiny_model_dir("qwen3_5"))
+    model = LLM(model_dir, max_model_len=64).engine.model
+    per_slot, per_block = (
+        state_bytes_per_slot(model, torch.float32),
+        kv_bytes_per_block(model, 16, torch.float32),
+    )
+    # two running sequences' states and the KV of one full-length sequence: less than a quarter spare
+    memory = 2 * per_slot + 5 * per_block
+    assert memory - 2 * per_slot < 4 * per_slot
+    llm = LLM(model_dir, max_model_len=64, max_num_seqs=2, kv_cache_memory=memory)
+    assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.scheduler.prefix_states is None
+    outs = llm.generate(conversation()[:2], SamplingParams(temperature=0.0, max_tokens=8))
     assert all(o.num_cached_tokens == 0 for o in outs)
 
 
@@ -248,3 +303,25 @@ def test_usage_and_metrics_report_cached_tokens(tmp_path):
             ("specserve:prefix_cache_hits_total", ()): cached,
         }
         wait_until(lambda: {k: srv.metrics().get(k) for k in expected} == expected, what="metrics to settle")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "some-model"]])
+def test_the_cli_switches_prefix_caching(command):
+    from specserve.cli import build_parser
+    from specserve.cli_args import engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(command))["enable_prefix_caching"] is True
+    off = engine_kwargs(
+        parser.parse_args([*command, "--no-enable-prefix-caching", "--state-checkpoint-interval", "64"])
+    )
+    assert off["enable_prefix_caching"] is False and off["state_checkpoint_interval"] == 64
+
+
+def test_bad_prefix_caching_settings_are_clear_errors():
+    from specserve.config import EngineConfig, SpecserveError
+
+    with pytest.raises(SpecserveError, match="multiple of block_size \\(16\\), got 40"):
+        EngineConfig(model="m", state_checkpoint_interval=40)
+    with pytest.raises(SpecserveError, match="enable_prefix_caching must be true or false"):
+        EngineConfig(model="m", enable_prefix_caching="yes")

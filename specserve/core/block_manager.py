@@ -50,6 +50,44 @@ class SlotPool:
             owner.state_slot = None
 
 
+class PrefixStates:
+    """Hybrid targets: a prefix-cache hit needs the recurrent state at its end as well. A few checkpoint
+    slots (beside the running sequences' state slots) hold the state after prefixes that end at a
+    multiple of `interval` tokens, keyed by the content id of the prefix's last block; the least recently
+    used one is overwritten when a new prefix needs a slot."""
+
+    def __init__(self, slots: range, interval: int, block_size: int):
+        self.free_slots = deque(slots)
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # content id -> checkpoint slot, LRU first
+        self.blocks_per_interval = interval // block_size
+
+    @property
+    def capacity(self) -> int:
+        return len(self.free_slots) + len(self.slot_of)
+
+    def usable(self, prefix_ids: list[int]) -> int:
+        """Of a hit on blocks with these content ids, how many blocks lead to a kept state."""
+        every = self.blocks_per_interval
+        for n in range(len(prefix_ids) // every * every, 0, -every):
+            if prefix_ids[n - 1] in self.slot_of:
+                return n
+        return 0
+
+    def take(self, content_id: int) -> int:
+        """The slot holding the state after the prefix `content_id` ends (a hit from `usable`)."""
+        self.slot_of.move_to_end(content_id)
+        return self.slot_of[content_id]
+
+    def slot_for(self, content_id: int, num_blocks: int) -> int | None:
+        """Where to keep the state after a prefix of `num_blocks` blocks ending in `content_id`; None when
+        it is not at an interval or already kept."""
+        if num_blocks % self.blocks_per_interval or content_id in self.slot_of or not self.capacity:
+            return None
+        slot = self.free_slots.popleft() if self.free_slots else self.slot_of.popitem(last=False)[1]
+        self.slot_of[content_id] = slot
+        return slot
+
+
 class BlockManager:
     """`lookahead` > 0: a block's content also depends on that many tokens after it (a drafter whose cache
     row t reads token t + 1), so they are part of its key."""
@@ -124,6 +162,9 @@ class BlockManager:
             blocks.append(block)
             parent = self._content_id[block]
         return blocks
+
+    def content_ids(self, cached: list[int]) -> list[int]:
+        return [self._content_id[block] for block in cached]
 
     def can_admit(self, cached: list[int], num_tokens: int) -> bool:
         """Whether a new sequence can start from these cached blocks with slots for `num_tokens` tokens

@@ -15,7 +15,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
 from specserve.core.batch import StepLayout
-from specserve.core.block_manager import BlockManager, SlotPool
+from specserve.core.block_manager import BlockManager, PrefixStates, SlotPool
 from specserve.core.sequence import Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.input_processor import InputProcessor, PromptType
@@ -28,7 +28,7 @@ from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
-from specserve.worker.model_runner import ModelRunner, PieceInput, kv_cache_blocks
+from specserve.worker.model_runner import ModelRunner, PieceInput, kv_cache_blocks, state_checkpoint_slots
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -53,11 +53,19 @@ class LLMEngine:
             )
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         num_blocks = kv_cache_blocks(self.model, config, self.max_model_len)
-        # Hybrid targets: a cached prefix would need the recurrent state at its end as well.
-        self.enable_prefix_caching = config.enable_prefix_caching and not self.model.has_recurrent_state
+        hybrid = self.model.has_recurrent_state
+        num_slots = config.max_num_seqs if hybrid else 0
+        # A hybrid target's cached prefix needs the recurrent state at its end too (state checkpoints).
+        checkpoints = state_checkpoint_slots(self.model, config)
+        self.enable_prefix_caching = config.enable_prefix_caching and (not hybrid or checkpoints > 0)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.enable_prefix_caching)
-        num_slots = config.max_num_seqs if self.model.has_recurrent_state else 0
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, num_slots)
+        prefix_states = None
+        if hybrid and self.enable_prefix_caching:
+            slots = range(num_slots, num_slots + checkpoints)
+            prefix_states = PrefixStates(slots, config.state_checkpoint_interval, config.block_size)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, config.torch_dtype, num_slots + checkpoints
+        )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -73,6 +81,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             SlotPool(num_slots) if num_slots else None,
             drafter_prefix=self.speculator,
+            prefix_states=prefix_states,
         )
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -152,6 +161,10 @@ class LLMEngine:
         for piece in batch.pieces:
             if piece.seq.metrics.first_scheduled_time is None:
                 piece.seq.metrics.first_scheduled_time = now
+        for piece in batch.pieces:  # a hybrid prefix hit starts from the checkpointed state
+            if piece.seq.restore_state_from is not None:
+                self.runner.copy_states(piece.seq.restore_state_from, piece.seq.state_slot)
+                piece.seq.restore_state_from = None
         layout = StepLayout(batch.pieces)
         start = time.perf_counter()
         forward = self.runner.forward(
@@ -172,7 +185,8 @@ class LLMEngine:
             for piece, result in zip(batch.pieces, results)
             if result is not None and (update := self.output_processor.append(piece.seq, result)) is not None
         ]
-        self.scheduler.update_from_output(batch, results)
+        for src, dst in self.scheduler.update_from_output(batch, results):
+            self.runner.copy_states(src, dst)  # a prefix's state kept for later hits
         for piece in batch.pieces:
             if piece.seq.is_finished:
                 self.requests.pop(piece.seq.request_id, None)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from specserve.core.batch import PieceResult, ScheduledPiece, StepBatch
-from specserve.core.block_manager import BlockManager, SlotPool
+from specserve.core.block_manager import BlockManager, PrefixStates, SlotPool
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence, SequenceStatus
 
@@ -45,10 +45,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         state_slots: SlotPool | None = None,
         drafter_prefix: DrafterPrefix | None = None,
+        prefix_states: PrefixStates | None = None,
     ):
         self.block_manager = block_manager
         self.state_slots = state_slots  # hybrid models: a recurrent-state slot per running sequence
         self.drafter_prefix = drafter_prefix
+        self.prefix_states = prefix_states  # hybrid targets' state checkpoints for prefix-cache hits
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
         self.max_num_seqs = max_num_seqs
@@ -83,7 +85,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             draft = drafts.get(seq.request_id)
-            n = min(seq.num_uncomputed_tokens + (len(draft.token_ids) if draft is not None else 0), budget)
+            if draft is not None:
+                n = min(seq.num_uncomputed_tokens + len(draft.token_ids), budget)
+            else:
+                n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             while not bm.can_grow(seq, seq.num_computed_tokens + n) and self.running[-1] is not seq:
                 out.preempted.append(self._preempt(self.running.pop()))
             if not bm.can_grow(seq, seq.num_computed_tokens + n):
@@ -99,7 +104,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self._cached_prefix(seq)
             num_cached = len(cached) * bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
+            n = self._chunk(seq, num_cached, min(seq.num_tokens - num_cached, budget))
             if not bm.can_admit(cached, num_cached + n):
                 break
             self.waiting.popleft()
@@ -113,6 +118,14 @@ class Scheduler:
             budget -= n
         return out
 
+    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """A prompt chunk from `start`: with state checkpoints it ends at the next interval it reaches,
+        where the state is kept."""
+        if self.prefix_states is None:
+            return n
+        interval = self.prefix_states.blocks_per_interval * self.block_manager.block_size
+        return min(n, (start // interval + 1) * interval - start)
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` may start from (it is waiting, with nothing computed)."""
         bm = self.block_manager
@@ -120,6 +133,8 @@ class Scheduler:
         if cached and self.drafter_prefix is not None:
             usable = self.drafter_prefix.cached_prefix_len(seq, len(cached) * bm.block_size)
             cached = cached[: usable // bm.block_size]
+        if cached and self.prefix_states is not None:
+            cached = cached[: self.prefix_states.usable(bm.content_ids(cached))]
         return cached
 
     def _admit(self, seq: Sequence, cached: list[int]) -> None:
@@ -129,6 +144,8 @@ class Scheduler:
             bm.attach(seq, cached)
             if self.drafter_prefix is not None:
                 self.drafter_prefix.attach_cached_prefix(seq, num_cached)
+            if self.prefix_states is not None and cached:
+                seq.restore_state_from = self.prefix_states.take(seq.prefix_ids[-1])
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_cached
             if seq.metrics.first_scheduled_time is None:
@@ -143,17 +160,33 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return seq
 
-    def update_from_output(self, batch: StepBatch, results: list[PieceResult | None]) -> None:
+    def update_from_output(
+        self, batch: StepBatch, results: list[PieceResult | None]
+    ) -> list[tuple[int, int]]:
         """Commit a step: the cache now holds each piece's tokens and its accepted drafts; the blocks past
-        them (rejected drafts) go back to the free list, a length change; finished sequences leave."""
+        them (rejected drafts) go back to the free list, a length change; finished sequences leave.
+        Returns the recurrent states to keep for the prefix cache, (state slot, checkpoint slot) pairs to
+        copy before the next step."""
+        saves = []
         for piece, result in zip(batch.pieces, results):
             seq = piece.seq
             seq.num_computed_tokens += piece.num_tokens + (result.num_accepted if result is not None else 0)
             self.block_manager.commit(seq, seq.num_computed_tokens, lambda seq=seq: seq.all_token_ids)
+            if self.prefix_states is not None:
+                saves += self._state_to_keep(seq)
             if seq.is_finished:
                 self.finish(seq)
             elif piece.draft is not None:
                 self.block_manager.shrink(seq, seq.num_tokens)
+        return saves
+
+    def _state_to_keep(self, seq: Sequence) -> list[tuple[int, int]]:
+        """The copy that keeps `seq`'s state if its committed tokens end a cached block at an interval."""
+        num_blocks, partial = divmod(seq.num_computed_tokens, self.block_manager.block_size)
+        if partial or not 0 < num_blocks <= len(seq.prefix_ids):
+            return []
+        slot = self.prefix_states.slot_for(seq.prefix_ids[num_blocks - 1], num_blocks)
+        return [(seq.state_slot, slot)] if slot is not None else []
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks at once."""

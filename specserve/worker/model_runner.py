@@ -52,18 +52,30 @@ def state_bytes_per_slot(model: CausalLM, dtype: torch.dtype) -> int:
     return sum(s.bytes_per_slot(dtype) for s in model.cache_specs() if isinstance(s, RecurrentStateSpec))
 
 
+def state_checkpoint_slots(model: CausalLM, config: EngineConfig) -> int:
+    """Recurrent-state checkpoints a hybrid target keeps for its prefix cache: one per running sequence,
+    or as many as a quarter of the memory left after the running sequences' states holds."""
+    per_slot = state_bytes_per_slot(model, config.torch_dtype)
+    if not (per_slot and config.enable_prefix_caching):
+        return 0
+    spare = config.kv_cache_bytes - config.max_num_seqs * per_slot
+    return max(0, min(config.max_num_seqs, spare // 4 // per_slot))
+
+
 def kv_cache_blocks(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
     """Blocks of `config.block_size` tokens that `config.kv_cache_memory` holds once the recurrent-state
-    slots of `max_num_seqs` sequences are paid for, never more than the running batch can fill: every
-    sequence at max_model_len (plus a block of verification slack). The cache is allocated (and zeroed) up
-    front, so the cap saves real memory."""
-    states = config.max_num_seqs * state_bytes_per_slot(model, config.torch_dtype)
+    slots of `max_num_seqs` sequences and the prefix cache's state checkpoints are paid for, never more
+    than the running batch can fill: every sequence at max_model_len (plus a block of verification slack).
+    The cache is allocated (and zeroed) up front, so the cap saves real memory."""
+    per_slot = state_bytes_per_slot(model, config.torch_dtype)
+    states = config.max_num_seqs * per_slot
     if states >= config.kv_cache_bytes:
         raise SpecserveError(
             f"kv_cache_memory={config.kv_cache_memory!r} does not even hold the recurrent states of "
             f"max_num_seqs={config.max_num_seqs} sequences ({states / 2**20:.0f} MiB); raise kv_cache_memory "
             "or lower max_num_seqs"
         )
+    states += state_checkpoint_slots(model, config) * per_slot
     per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
     num_blocks = (config.kv_cache_bytes - states) // per_block
     per_sequence = -(-max_model_len // config.block_size) + 1
@@ -133,6 +145,12 @@ class ModelRunner:
             for c in self.kv_caches
             if isinstance(c, RecurrentState)
         ]
+
+    def copy_states(self, src: int, dst: int) -> None:
+        """Slot `src`'s recurrent state into slot `dst`, in every linear-attention layer."""
+        for c in self.kv_caches:
+            if isinstance(c, RecurrentState):
+                c.conv[dst], c.ssm[dst] = c.conv[src], c.ssm[src]
 
     def restore_states(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
