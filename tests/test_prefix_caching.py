@@ -238,13 +238,22 @@ def hybrid_dir(tmp_path_factory):
     return str(save_tiny_mtp(save_tiny_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))))
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "mtp"])
-def test_hybrid_outputs_with_caching_equal_outputs_without(method, hybrid_dir):
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model", "dspark", "mtp"])
+def test_hybrid_outputs_with_caching_equal_outputs_without(method, hybrid_dir, tiny_model_dir, tmp_path):
     spec = {
-        "plain": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
-        "mtp": {"method": "mtp", "num_speculative_tokens": 2},
-    }[method]
+        "plain": lambda: None,
+        "ngram": lambda: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        "draft_model": lambda: {
+            "method": "draft_model",
+            "model": str(tiny_model_dir("qwen3")),
+            "num_speculative_tokens": 3,
+        },
+        "dspark": lambda: {
+            "method": "dspark",
+            "model": str(save_tiny_drafter(hybrid_dir, tmp_path / "d", std=0.2)),
+        },
+        "mtp": lambda: {"method": "mtp", "num_speculative_tokens": 2},
+    }[method]()
     requests, params = conversation(), sampling(5, 0.0)
     engines = {
         on: LLM(
