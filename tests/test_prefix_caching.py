@@ -203,6 +203,33 @@ def test_eviction_under_a_tight_kv_budget_keeps_outputs_exact(target_dir):
     assert tight.engine.block_manager.num_cached_blocks <= blocks
 
 
+def test_preemption_and_abort_release_shared_blocks(target_dir):
+    requests = conversation() * 2
+    params = sampling(len(requests), 0.0)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    # 3 layers x 2 (k, v) x 2 kv heads x 16 dims x 4 bytes = 768 bytes a token: 200 tokens of cache
+    tight = LLM(
+        target_dir, max_model_len=128, block_size=BLOCK, kv_cache_memory=200 * 768, speculative_config=spec
+    )
+    plain = LLM(target_dir, max_model_len=128, block_size=BLOCK, enable_prefix_caching=False)
+    outs = tight.generate(requests, params)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in plain.generate(requests, params)
+    ]
+    assert sum(o.metrics.num_preemptions for o in outs) > 0 and tight.engine.scheduler.prefix_hits > 0
+    engine, bm = tight.engine, tight.engine.block_manager
+    assert bm.num_used_blocks == 0
+    # Aborting requests that hold shared blocks gives their references back, mid-prefill or mid-decode.
+    ids = [engine.add_request(r, p) for r, p in zip(requests[:3], params)]
+    engine.step()
+    engine.abort(ids[0])
+    engine.step()
+    for request_id in ids[1:]:
+        engine.abort(request_id)
+    assert bm.num_used_blocks == 0 and all(c == 0 for c in bm.ref_counts)
+    assert tight.generate([requests[0]], params[0])[0].num_cached_tokens > 0
+
+
 def test_many_requests_sharing_a_system_prompt_at_once(target_dir):
     system = repetitive_prompts(1, seed=2)[0] * 3
     g = torch.Generator().manual_seed(3)
