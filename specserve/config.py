@@ -15,6 +15,53 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's names): exactly one of a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of a list of
+    strings (`choice`), or a Lark grammar (`grammar`). `disable_any_whitespace`: JSON without whitespace
+    between tokens (a model that pads JSON with newlines then cannot)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        _check(len(given) == 1, f"structured_outputs takes exactly one constraint, got {given or 'none'}")
+        _check(
+            self.json is None or isinstance(self.json, dict | str),
+            "structured_outputs.json must be a JSON schema (an object or its JSON text)",
+        )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"structured_outputs.{name} must be a string")
+        if self.choice is not None:
+            _check(
+                isinstance(self.choice, list | tuple)
+                and bool(self.choice)
+                and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+            )
+            self.choice = list(self.choice)
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
+        if value is None or isinstance(value, cls):
+            return value
+        _check(isinstance(value, dict), f"structured_outputs must be a mapping, got {type(value).__name__}")
+        unknown = sorted(
+            set(value) - {"json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace"}
+        )
+        _check(not unknown, f"structured_outputs has unknown keys {unknown}")
+        return cls(**value)
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens for one request (names and meanings as in vLLM / the OpenAI API)."""
 
@@ -33,8 +80,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.config import SamplingParams
 from specserve.core.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from specserve.structured.grammar import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +63,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
     state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
     restore_state_from: int | None = None  # a prefix hit's checkpoint slot, copied in before it runs
+    grammar: RequestGrammar | None = None  # its output constraint (structured outputs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -28,6 +28,7 @@ from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
+from specserve.structured.grammar import GrammarCompiler
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_cache_blocks, state_checkpoint_slots
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -68,6 +69,7 @@ class LLMEngine:
         )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.sampler = StepSampler(self.vocab_size, self.generator)
         self.speculator = (
@@ -119,7 +121,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise SpecserveError(f"request id {request_id!r} is already in use")
-        return self.input_processor.process(prompt, params, request_id)
+        seq = self.input_processor.process(prompt, params, request_id)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.compile(params.structured_outputs)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq

@@ -1,5 +1,6 @@
 """Tokens out: each new token appended with its stop checks (stop strings through incremental
-detokenisation, stop token ids, end of sequence, max_tokens), and the RequestOutput updates users see."""
+detokenisation, stop token ids, end of sequence, a completed output constraint, max_tokens), and the
+RequestOutput updates users see."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # The sampler masks every row with the grammar, so this is a bug, never a user's error.
+            seq.error = f"token {token} broke the request's output constraint"
+            seq.finish("error")
+            return
         stop = self.detokenizer.update(seq)
         if stop is not None:
             seq.finish("stop", stop)
@@ -39,6 +45,8 @@ class OutputProcessor:
             seq.finish("stop", token)
         elif token in self.eos_token_ids and not seq.params.ignore_eos:
             seq.finish("stop", token)
+        elif seq.grammar is not None and seq.grammar.finished:
+            seq.finish("stop")
         elif len(seq.output_token_ids) >= seq.max_tokens:
             seq.finish("length")
 

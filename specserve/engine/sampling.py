@@ -1,5 +1,8 @@
 """A step's logits -> each sampling piece's new tokens: plain rows sampled under the request's parameters,
-verification rows through lossless rejection sampling, and raw logprobs where the request asks for them."""
+verification rows through lossless rejection sampling, and raw logprobs where the request asks for them.
+A request with an output constraint has every row it samples from (each verify row included) masked to
+what its grammar allows after the tokens before that row, so rejection sampling keeps the target's
+distribution under the constraint exactly."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from specserve.core.batch import PieceResult, ScheduledPiece, StepLayout, verify
 from specserve.core.sequence import Sequence
 from specserve.layers.sampler import SampleOutput, SamplingBatch, raw_logprobs, sample
 from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
+from specserve.structured.masks import mask_logits
 
 
 class StepSampler:
@@ -21,6 +25,7 @@ class StepSampler:
     ) -> list[PieceResult | None]:
         """Per piece its result; None for a prompt chunk that does not reach its sequence's end."""
         results: list[PieceResult | None] = [None] * len(pieces)
+        logits = self._constrained(pieces, layout, logits)
         if layout.plain:
             seqs = [pieces[i].seq for i in layout.plain]
             for i, result in zip(
@@ -34,6 +39,23 @@ class StepSampler:
             ):
                 results[i] = result
         return results
+
+    @staticmethod
+    def _constrained(pieces: list[ScheduledPiece], layout: StepLayout, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the rows of constrained requests masked by their grammars."""
+        constrained = [i for i in layout.plain + layout.verified if pieces[i].seq.grammar is not None]
+        if not constrained:
+            return logits
+        rows = layout.logit_rows_of(constrained)
+        masks = torch.cat(
+            [
+                pieces[i].seq.grammar.masks(pieces[i].draft.token_ids if pieces[i].draft is not None else [])
+                for i in constrained
+            ]
+        )
+        logits = logits.clone()
+        logits[rows] = mask_logits(logits[rows], masks)
+        return logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[PieceResult]:
         batch = SamplingBatch.build(

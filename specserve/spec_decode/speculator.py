@@ -127,8 +127,12 @@ class Speculator:
         )
         proposals = self.drafter.propose(decoding, self.num_draft_tokens, keep_drafting)
         self.stats.drafting_s += time.perf_counter() - start
-        # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens.
-        capped = [proposal.truncate(max(0, left - 1)) for proposal, left in zip(proposals, remaining)]
+        # Never draft past max_tokens or max_model_len: a round emits at most drafts + 1 tokens; nor past
+        # what an output constraint allows.
+        capped = [
+            proposal.truncate(min(max(0, left - 1), _grammatical(seq, proposal.token_ids)))
+            for seq, proposal, left in zip(decoding, proposals, remaining)
+        ]
         plan = self.planner.plan(capped, base_tokens)
         drafts = {
             seq.request_id: proposal.truncate(length)
@@ -199,3 +203,12 @@ class Speculator:
 
     def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
         self.drafter.attach_cached_prefix(seq, num_tokens)
+
+
+def _grammatical(seq: Sequence, drafts: list[int]) -> int:
+    """Drafts worth verifying under the request's output constraint: through the first one its grammar
+    refuses. The target rejects that one for sure, and keeping it keeps the round lossless: cut instead,
+    the next token would come from the target's distribution rather than the rejection's residual."""
+    if seq.grammar is None:
+        return len(drafts)
+    return min(len(drafts), seq.grammar.grammatical_prefix(drafts) + 1)

@@ -1,0 +1,196 @@
+"""Structured outputs: the constraint kinds, bad constraints as clear errors, the bitmask layout, and
+exactness under speculation (greedy speculation == greedy decoding under the same constraint; sampled
+tokens follow the target's distribution under the mask, checked against enumeration)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+from specserve import LLM, SamplingParams, SpecserveError
+from specserve.config import StructuredOutputsParams
+from specserve.structured.masks import allowed_tokens
+from tests.test_lossless import chi_square_pvalue
+from tests.tiny_models import build_reference, save_byte_tokenizer, save_tiny_chat_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = {
+    "choice": {"choice": ["yes", "no", "maybe so"]},
+    "regex": {"regex": r"[a-c]{2,5}-\d{2}"},
+    "json": {"json": SCHEMA, "disable_any_whitespace": True},  # random models pad JSON with newlines
+    "json_object": {"json_object": True, "disable_any_whitespace": True},
+}
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "choice":
+        assert text in CONSTRAINTS["choice"]["choice"]
+    elif kind == "regex":
+        assert re.fullmatch(CONSTRAINTS["regex"]["regex"], text), text
+    else:
+        value = json.loads(text)
+        assert isinstance(value, dict)
+        if kind == "json":
+            assert set(value) == {"name", "n"} and isinstance(value["n"], int) and len(value["name"]) <= 6
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return str(save_tiny_chat_model("qwen3", tmp_path_factory.mktemp("chat")))
+
+
+def constrained(kind: str, temperature: float = 0.0, **kwargs) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature, max_tokens=48, structured_outputs=CONSTRAINTS[kind], **kwargs
+    )
+
+
+def test_bitmask_layout_is_llguidances():
+    words = torch.tensor([[0b101, -(1 << 31)], [0, 1]], dtype=torch.int32)  # bit 31: the sign bit
+    allowed = allowed_tokens(words, 70)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 2, 63]
+    assert allowed[1].nonzero().flatten().tolist() == [32]  # ids past the words are never allowed
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_every_constraint_kind_holds(kind, chat_dir):
+    llm = LLM(chat_dir, max_model_len=128)
+    outs = llm.generate(
+        ["Answer:"] * 3, [constrained(kind), constrained(kind, 1.0, seed=1), constrained(kind, 1.0, seed=2)]
+    )
+    for out in outs:
+        completion = out.outputs[0]
+        # every token was allowed where it was sampled: a fresh matcher takes them all
+        grammar = llm.engine.grammars.compile(StructuredOutputsParams(**CONSTRAINTS[kind]))
+        assert all(grammar.accept(t) for t in completion.token_ids)
+        if kind != "json_object":  # a random model's open object may run to max_tokens
+            assert completion.finish_reason == "stop", completion
+            check(kind, completion.text)
+
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    "draft_model_self": "self",  # the target drafting for itself: drafts accepted, grammar or not
+    "draft_model_other": "other",  # a different random model: drafts the grammar refuses, and rejected ones
+}
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("other")
+    build_reference("qwen3", seed=1).save_pretrained(directory)
+    return str(save_byte_tokenizer(directory))
+
+
+@pytest.mark.parametrize("spec_name", list(SPECS))
+@pytest.mark.parametrize("kind", ["choice", "regex", "json"])
+def test_greedy_speculation_equals_greedy_decoding_under_a_constraint(kind, spec_name, chat_dir, other_dir):
+    spec = SPECS[spec_name]
+    if spec in ("self", "other"):
+        spec = {
+            "method": "draft_model",
+            "model": chat_dir if spec == "self" else other_dir,
+            "num_speculative_tokens": 3,
+        }
+    prompts = ["Answer:", "abcabcabc", "[1, 2, 3"]
+    plain = LLM(chat_dir, max_model_len=128).generate(prompts, constrained(kind))
+    llm = LLM(chat_dir, max_model_len=128, speculative_config=spec)
+    speculative = llm.generate(prompts, constrained(kind))
+    assert [o.outputs[0].token_ids for o in speculative] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.spec_stats.num_drafts > 0
+    for out in speculative:
+        check(kind, out.outputs[0].text)
+
+
+def test_bad_constraints_are_clear_errors(chat_dir, tiny_model_dir):
+    llm = LLM(chat_dir, max_model_len=64)
+    with pytest.raises(SpecserveError, match="structured_outputs.json: .*objectx"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"json": {"type": "objectx"}}))
+    with pytest.raises(SpecserveError, match="structured_outputs.regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"regex": "(unclosed"}))
+    with pytest.raises(SpecserveError, match="exactly one constraint"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(SpecserveError, match="unknown keys \\['jsn'\\]"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    with pytest.raises(SpecserveError, match="non-empty list"):
+        StructuredOutputsParams(choice=[])
+    no_tokenizer = LLM(str(tiny_model_dir("qwen3")), max_model_len=64)
+    with pytest.raises(SpecserveError, match="need the model's tokenizer"):
+        no_tokenizer.generate([[5, 6]], SamplingParams(structured_outputs={"choice": ["a"]}))
+
+
+# ---- losslessness: sampled tokens against the exact target distribution under the mask ----------------
+LETTERS = "abcdefghijk"  # ids 5..15 of a 16-token vocabulary
+REGEX = r"[a-e][a-k][f-k]"  # each position's allowed letters do not depend on the earlier ones
+
+
+def letter_model(directory, seed: int, logit_scale: float):
+    from tests.test_lossless import make_model
+
+    model = make_model(directory, seed, logit_scale)
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials)} | {c: 5 + i for i, c in enumerate(LETTERS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>"
+    ).save_pretrained(directory)
+    return model
+
+
+@torch.no_grad()
+def exact_masked_joint(reference, prompt: list[int], params: SamplingParams) -> dict:
+    """P(x1, x2, x3) under the regex's per-position letter sets, by enumeration with transformers."""
+    from specserve.layers.sampler import SamplingBatch, target_probs
+
+    sets = [LETTERS[:5], LETTERS, LETTERS[5:]]
+    masks = [torch.tensor([i - 5 >= 0 and LETTERS[i - 5] in s for i in range(16)]) for s in sets]
+    joint = {(): 1.0}
+    for mask in masks:
+        grown = {}
+        for prefix, p in joint.items():
+            logits = reference(torch.tensor([prompt + list(prefix)])).logits[:, -1].float()
+            batch = SamplingBatch.build([params], [prompt], [list(prefix)], 16)
+            probs = target_probs(logits.masked_fill(~mask, float("-inf")), batch)[0]
+            for x in range(16):
+                if probs[x] > 0:
+                    grown[(*prefix, x)] = p * float(probs[x])
+        joint = grown
+    return joint
+
+
+def test_speculative_sampling_under_a_constraint_matches_the_masked_target(tmp_path):
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    reference = letter_model(target_dir, 0, 60.0)
+    letter_model(draft_dir, 0, 15.0)  # the target at a higher temperature: related, often wrong
+    prompt = [5, 9, 6, 14]
+    params = SamplingParams(temperature=1.0, max_tokens=3, structured_outputs={"regex": REGEX})
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+    llm = LLM(
+        str(target_dir),
+        max_model_len=64,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        speculative_config=spec,
+    )
+    n = 6000
+    outs = llm.generate([prompt] * n, params)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.outputs[0].token_ids)] = counts.get(tuple(o.outputs[0].token_ids), 0) + 1
+    stats = llm.engine.spec_stats
+    assert 0.05 < stats.acceptance_rate < 0.95, stats  # drafts accepted and rejected
+    assert chi_square_pvalue(counts, exact_masked_joint(reference, prompt, params), n) > 0.001
