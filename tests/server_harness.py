@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.server import AsyncEngine, build_app
+from specserve.server.launch import DrainingServer, uvicorn_config
+from specserve.server.limits import ServerLimits
 
 MODEL_NAME = "tiny"
 
@@ -27,6 +29,7 @@ class RunningServer:
     url: str
     engine: LLMEngine
     async_engine: AsyncEngine
+    server: uvicorn.Server
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         return scrape(self.url)
@@ -37,16 +40,32 @@ class RunningServer:
 
 @contextmanager
 def running_server(
-    model_dir, *, api_key: str | None = None, max_waiting: int = 256, speculative_config=None, **engine_args
+    model_dir,
+    *,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    speculative_config=None,
+    limits: ServerLimits | None = None,
+    max_pending_tokenization: int = 256,
+    drain_timeout_s: float | None = None,
+    **engine_args,
 ) -> Iterator[RunningServer]:
-    """The app for a fresh engine on `model_dir`, served on 127.0.0.1 until the block exits."""
+    """The app for a fresh engine on `model_dir`, served on 127.0.0.1 until the block exits; with
+    `drain_timeout_s`, by `specserve serve`'s DrainingServer (`srv.server.handle_exit` then drains)."""
     engine_args.setdefault("kv_cache_memory", "16MiB")
+    limits = limits or ServerLimits()
     engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_args), speculative_config)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    app = build_app(async_engine, MODEL_NAME, api_key=api_key)
+    async_engine = AsyncEngine(
+        engine, max_waiting=max_waiting, max_pending_tokenization=max_pending_tokenization
+    )
+    app = build_app(async_engine, MODEL_NAME, api_key=api_key, limits=limits)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    config = uvicorn_config(app, limits, log_level="warning")
+    if drain_timeout_s is None:
+        server = uvicorn.Server(config)
+    else:
+        server = DrainingServer(config, async_engine, drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -54,7 +73,7 @@ def running_server(
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     try:
-        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, async_engine)
+        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, async_engine, server)
     finally:
         server.should_exit = True
         thread.join(30)

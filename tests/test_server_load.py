@@ -211,6 +211,6 @@ def test_sigterm_ends_streams_cleanly_and_exits_zero(model_dir, tmp_path):
         assert stream_events[-1] == "[DONE]"
         finish_reasons.append(stream_events[-2]["choices"][0]["finish_reason"])
     assert finish_reasons[0] == "length"
-    assert set(finish_reasons[1:]) <= {"length", "abort"}
+    assert set(finish_reasons[1:]) == {"length"}  # cut short by the deadline: OpenAI has no "abort"
     log = log_path.read_text()
     assert "draining" in log and log.count(" prompt tokens, ") == len(lengths)

@@ -1,9 +1,10 @@
 """The FastAPI application: OpenAI routes, health and metrics, API-key check, and OpenAI-style errors.
 
 Every error a client can cause answers with an OpenAI error body naming the problem: bad JSON, wrong
-types, out-of-range values and invalid prompts are 400, a missing or wrong API key 401, an unknown model
-or route 404, a full queue 429 (with Retry-After), a draining server 503, and an engine failure inside one
-request 500 for that request only.
+types, out-of-range values, invalid prompts and requests over the limits are 400, a missing or wrong API
+key 401, an unknown model or route 404, a known route with the wrong method 405, a body that does not
+arrive within the read timeout 408, a body over the size limit 413, a full queue 429 (with Retry-After), a
+draining server 503 (with Retry-After), and an engine failure inside one request 500 for that request only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specserve.config import SpecserveError
 from specserve.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
 from specserve.server.generation import ChatGeneration, CompletionGeneration, Generation
+from specserve.server.limits import RequestBodyLimit, ServerLimits, special_token_pattern
 from specserve.server.metrics import ServerMetrics, outcome_of_status
 from specserve.server.protocol import (
     ChatCompletionRequest,
@@ -43,10 +45,14 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
-_ERROR_DOCS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+ERROR_CODES = {405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+_ERROR_DOCS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 _STREAM_DOC = {
     "description": "the response; with stream: true, server-sent events of chunks, then `data: [DONE]`",
     "content": {
@@ -62,14 +68,20 @@ _STREAM_DOC = {
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    error = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "internal_server_error"))
+    error = ErrorInfo(
+        message=message, type=ERROR_TYPES.get(status, "internal_server_error"), code=ERROR_CODES.get(status)
+    )
     return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=status, headers=headers)
 
 
-def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None
+) -> FastAPI:
     """The server for `async_engine`, answering to `model_name`; its lifespan starts and stops the engine."""
+    limits = limits or ServerLimits()
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     tokenizer = async_engine.engine.tokenizer
+    special_tokens = special_token_pattern(tokenizer) if limits.reject_special_tokens_in_content else None
     started = int(time.time())
 
     @asynccontextmanager
@@ -82,6 +94,20 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
 
     app = FastAPI(title="specserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     _add_error_handlers(app, metrics)
+
+    def body_refused(scope: Scope, status: int) -> None:
+        if scope["path"].startswith("/v1/"):
+            metrics.count(outcome_of_status(status))
+        logger.info("%s %s -> %d: the body was refused", scope["method"], scope["path"], status)
+
+    # Added before the key check, so it runs inside it: a request without the key is refused unread.
+    app.add_middleware(
+        RequestBodyLimit,
+        max_bytes=limits.max_request_body_bytes,
+        timeout_s=limits.request_read_timeout_s,
+        refuse=error_response,
+        on_refused=body_refused,
+    )
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key, metrics=metrics)
 
@@ -91,9 +117,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
 
     async def generate(generation: Generation, request: Request) -> Response:
         if generation.body.model_extra:
-            logger.info(
-                "%s: ignoring unsupported fields %s", generation.id, sorted(generation.body.model_extra)
-            )
+            names = sorted(ascii(name) for name in generation.body.model_extra)
+            logger.info("%s: ignoring unsupported fields %s", generation.id, ", ".join(names))
         return await serve_generation(generation, async_engine, request, metrics)
 
     v1 = APIRouter(prefix="/v1", responses=_ERROR_DOCS)
@@ -101,12 +126,13 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAM_DOC})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await generate(CompletionGeneration(body, model_name, tokenizer), request)
+        return await generate(CompletionGeneration(body, model_name, tokenizer, limits), request)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAM_DOC})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await generate(ChatGeneration(body, model_name, tokenizer), request)
+        generation = ChatGeneration(body, model_name, tokenizer, limits, special_tokens)
+        return await generate(generation, request)
 
     @v1.get("/models")
     async def list_models() -> ModelList:
@@ -118,7 +144,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Health:
         if async_engine.draining:
-            raise HTTPException(503, "the server is shutting down")
+            raise HTTPException(503, "the server is shutting down", {"Retry-After": str(RETRY_AFTER_S)})
         if not async_engine.is_alive:
             raise HTTPException(503, "the engine loop is not running")
         return Health()
@@ -149,7 +175,11 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return fail(request, exc.status_code, str(exc.detail), exc.headers)
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+        return fail(request, exc.status_code, message, exc.headers)
 
     @app.exception_handler(EngineOverloaded)
     async def overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:
@@ -157,7 +187,8 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(EngineUnavailable)
     async def unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
-        return fail(request, 503, str(exc))
+        # Another replica (or this one, restarted) can take it: say so, as for 429.
+        return fail(request, 503, f"{exc}; retry later", {"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(RequestFailed)
     async def failed(request: Request, exc: RequestFailed) -> JSONResponse:
@@ -165,8 +196,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs the traceback after this answer goes out.
-        return fail(request, 500, f"internal server error: {type(exc).__name__}: {exc}")
+        # Starlette re-raises after this answer goes out (uvicorn logs it and drops the connection): say so.
+        message = f"internal server error: {type(exc).__name__}: {exc}"
+        return fail(request, 500, message, {"Connection": "close"})
 
 
 _NOT_FIELDS = {"body", "str", "int", "float", "bool"}
@@ -179,6 +211,11 @@ def _describe_validation_errors(exc: RequestValidationError) -> str:
         # Drop the body's own location and the names pydantic gives union members ('str', 'list[...]').
         parts = [p for p in error["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _NOT_FIELDS)]
         by_field.setdefault(".".join(map(str, parts)), []).append(error)
+    # A union's member that only says "not a string" is noise beside another member's complaint deeper in.
+    for field in [f for f in by_field if f]:
+        deeper = any(other.startswith(f"{field}.") for other in by_field)
+        if deeper and all(e["type"].endswith("_type") for e in by_field[field]):
+            del by_field[field]
     clauses = []
     for field, errors in by_field.items():
         # For a union, a member's specific complaint (too short, too big) beats "not a list" from the others.

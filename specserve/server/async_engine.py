@@ -1,15 +1,21 @@
 """The engine loop on its own thread, and one async stream of updates per HTTP request.
 
-`LLMEngine` is not thread-safe, so a single thread owns it and everything it owns (the tokenizer included,
-for encoding): between steps that thread drains a queue of commands (admit requests, abort them, drain,
-stop), then runs one `step()` that batches every live request, and hands each update to the asyncio queue
-of the HTTP request it belongs to. Handlers only submit, read their stream and close it. Torch releases the
-GIL inside a step, so the event loop keeps answering while the engine computes.
+`LLMEngine` is not thread-safe, so a single thread owns it: between steps that thread drains a queue of
+commands (admit requests, abort them, drain, stop), then runs one `step()` that batches every live request,
+and hands each update to the asyncio queue of the HTTP request it belongs to. Handlers only submit, read
+their stream and close it. Torch releases the GIL inside a step, so the event loop keeps answering while
+the engine computes.
+
+Prompts are rendered (chat template) and tokenized before they reach the engine thread, in a small pool of
+tokenizer threads with its own bound, so one huge prompt delays nobody else's tokens: the engine thread
+only checks the token ids it is given. The tokenizer is only read there (no padding or truncation is ever
+set on it), which its Rust backend allows from several threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -26,7 +32,7 @@ from specserve.engine.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# A prompt, or a function that builds one; functions run on the engine thread, the tokenizer's owner.
+# A prompt, or a function that builds one; functions run on a tokenizer thread.
 PromptSource = PromptType | Callable[[], PromptType]
 
 IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps on its command queue before looking around
@@ -50,6 +56,8 @@ class EngineRequest:
 
     prompt: PromptSource
     params: SamplingParams
+    # The client set max_tokens itself: a prompt that leaves less room than that is an error, not a clamp.
+    strict_max_tokens: bool = False
 
 
 @dataclass
@@ -173,9 +181,22 @@ class AsyncEngine:
     EngineOverloaded. `log_stats_interval_s` spaces the periodic engine-stats log lines.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, log_stats_interval_s: float = 10.0):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting: int = 256,
+        log_stats_interval_s: float = 10.0,
+        tokenizer_workers: int = 2,
+        max_pending_tokenization: int = 256,
+    ):
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_waiting
+        # HTTP requests being (or waiting to be) tokenized, at most `max_pending_tokenization`; more get 429.
+        self.max_pending_tokenization = max_pending_tokenization
+        self._num_tokenizing = 0
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=tokenizer_workers, thread_name_prefix="specserve-tokenizer"
+        )
         self.log_stats_interval_s = log_stats_interval_s
         self.snapshot = EngineSnapshot(num_blocks=engine.block_manager.num_blocks)
         self.draining = False
@@ -207,9 +228,26 @@ class AsyncEngine:
             )
         if self._num_in_flight + len(requests) > self.capacity:
             raise EngineOverloaded(f"the server is at its limit of {self.capacity} requests in flight")
-        stream = RequestStream(self, request_id, len(requests))
+        if self._num_tokenizing >= self.max_pending_tokenization:
+            raise EngineOverloaded(
+                f"the server is at its limit of {self.max_pending_tokenization} requests being tokenized"
+            )
         self._num_in_flight += len(requests)
-        self._commands.put(_Submit(stream, requests))
+        self._num_tokenizing += 1
+        try:
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._tokenizers, self._prepare, requests)
+            if self.draining or not self.is_alive:
+                raise EngineUnavailable(
+                    "the server is shutting down" if self.draining else "the engine stopped"
+                )
+        except BaseException:  # invalid, or the client left while it waited: give its places back
+            self.release(len(requests))
+            raise
+        finally:
+            self._num_tokenizing -= 1
+        stream = RequestStream(self, request_id, len(requests))
+        self._commands.put(_Submit(stream, prepared))
         try:
             await stream.admitted
         except BaseException:  # rejected, or the client left while waiting: undo whatever was queued
@@ -222,6 +260,43 @@ class AsyncEngine:
 
     def release(self, num_choices: int) -> None:
         self._num_in_flight -= num_choices
+
+    @property
+    def num_in_flight(self) -> int:
+        """Choices submitted (or being tokenized) and not yet closed."""
+        return self._num_in_flight
+
+    # ---- tokenizer threads ----------------------------------------------------------------------------
+    def _prepare(self, requests: list[EngineRequest]) -> list[EngineRequest]:
+        """Every choice's prompt as checked token ids (choices of one prompt share its tokenization)."""
+        processor = self.engine.input_processor
+        max_len = self.engine.max_model_len
+        prepared: list[EngineRequest] = []
+        last_source, last_ids = None, None
+        for request in requests:
+            if last_ids is None or request.prompt is not last_source:
+                last_source = request.prompt
+                try:
+                    last_ids, _ = processor.tokenize(_build(request.prompt))
+                except SpecserveError:
+                    raise
+                except Exception as exc:  # the tokenizer refused the text: the request's fault, not ours
+                    message = f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
+                    raise SpecserveError(message) from exc
+                if len(last_ids) >= max_len:
+                    raise SpecserveError(
+                        f"the prompt has {len(last_ids)} tokens; max_model_len is {max_len}, so at most "
+                        f"{max_len - 1} prompt tokens leave room for one generated token"
+                    )
+            max_tokens = request.params.max_tokens
+            if request.strict_max_tokens and max_tokens and len(last_ids) + max_tokens > max_len:
+                total = len(last_ids) + max_tokens
+                raise SpecserveError(
+                    f"max_model_len is {max_len} tokens, but this request asks for {total} ({len(last_ids)} "
+                    f"in the prompt, max_tokens {max_tokens}); shorten the prompt or lower max_tokens"
+                )
+            prepared.append(EngineRequest({"prompt_token_ids": last_ids}, request.params))
+        return prepared
 
     def begin_drain(self, timeout_s: float) -> None:
         """Refuse new requests; let live ones finish for `timeout_s`, then abort them.
@@ -236,6 +311,7 @@ class AsyncEngine:
         if self.is_alive:
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join, timeout_s)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def _run(self) -> None:

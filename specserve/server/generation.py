@@ -8,6 +8,7 @@ request gives the same text whether it asks for one choice or many.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 from specserve.config import SamplingParams, SpecserveError
 from specserve.engine.engine import PromptType
 from specserve.server.async_engine import EngineRequest, EngineUpdate
+from specserve.server.limits import ServerLimits
 from specserve.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from specserve.server.protocol import (
     AssistantMessage,
@@ -59,13 +61,26 @@ def sampling_params(
     )
 
 
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason as an OpenAI value: "abort" (the server cut the request short at its
+    shutdown deadline) is not one, and clients that type the field reject it; "length" says what a client
+    needs to know, that the text was truncated before the model ended it."""
+    return "length" if reason == "abort" else reason
+
+
 class Generation:
-    """What both endpoints share: ids, usage, and the latest update of every choice."""
+    """What both endpoints share: ids, usage, limits, and the latest update of every choice."""
 
     id_prefix = "gen"
 
-    def __init__(self, body: SamplingFields, model_name: str, tokenizer):
+    def __init__(self, body: SamplingFields, model_name: str, tokenizer, limits: ServerLimits | None = None):
         self.body = body
+        self.limits = limits or ServerLimits()
+        stop = body.stop if isinstance(body.stop, list) else []
+        if len(stop) > self.limits.max_stop_strings:
+            raise SpecserveError(
+                f"stop: at most {self.limits.max_stop_strings} stop strings per request, got {len(stop)}"
+            )
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_name = model_name
@@ -112,10 +127,19 @@ class Generation:
 class CompletionGeneration(Generation):
     id_prefix = "cmpl"
 
-    def __init__(self, body: CompletionRequest, model_name: str, tokenizer):
-        super().__init__(body, model_name, tokenizer)
+    def __init__(
+        self, body: CompletionRequest, model_name: str, tokenizer, limits: ServerLimits | None = None
+    ):
+        super().__init__(body, model_name, tokenizer, limits)
         self.body: CompletionRequest = body
         self._streamed_chars: dict[int, int] = {}  # per choice, for stream logprobs' text offsets
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            num_ids = len(prompt) if isinstance(prompt[0], int) else sum(len(p) for p in prompt)
+            if num_ids > self.limits.max_prompt_token_ids:
+                raise SpecserveError(
+                    f"prompt: at most {self.limits.max_prompt_token_ids} token ids per request, got {num_ids}"
+                )
 
     def prompts(self) -> list[PromptType]:
         prompt = self.body.prompt
@@ -124,8 +148,12 @@ class CompletionGeneration(Generation):
         return list(prompt)
 
     def engine_requests(self) -> list[EngineRequest]:
+        # Absent, max_tokens is OpenAI's 16, clamped to the room the prompt leaves; given, it must fit.
+        strict = "max_tokens" in self.body.model_fields_set
         return [
-            EngineRequest(prompt, sampling_params(self.body, self.body.max_tokens, self.body.logprobs, j))
+            EngineRequest(
+                prompt, sampling_params(self.body, self.body.max_tokens, self.body.logprobs, j), strict
+            )
             for prompt in self.prompts()
             for j in range(self.body.n)
         ]
@@ -144,7 +172,7 @@ class CompletionGeneration(Generation):
             index=update.index,
             text=update.output.delta_text,
             logprobs=self._logprobs(*self._new_tokens(update), offset),
-            finish_reason=update.output.finish_reason,
+            finish_reason=finish_reason(update.output.finish_reason),
         )
         return [self._response([choice], usage=None)]
 
@@ -157,7 +185,7 @@ class CompletionGeneration(Generation):
                 index=i,
                 text=u.output.text,
                 logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or [], 0),
-                finish_reason=u.output.finish_reason,
+                finish_reason=finish_reason(u.output.finish_reason),
             )
             for i, u in sorted(self.latest.items())
         ]
@@ -172,12 +200,25 @@ class CompletionGeneration(Generation):
 class ChatGeneration(Generation):
     id_prefix = "chatcmpl"
 
-    def __init__(self, body: ChatCompletionRequest, model_name: str, tokenizer):
-        super().__init__(body, model_name, tokenizer)
+    def __init__(
+        self,
+        body: ChatCompletionRequest,
+        model_name: str,
+        tokenizer,
+        limits: ServerLimits | None = None,
+        special_tokens: re.Pattern | None = None,
+    ):
+        """`special_tokens`, when given, matches the control tokens that message content may not hold."""
+        super().__init__(body, model_name, tokenizer, limits)
         self.body: ChatCompletionRequest = body
         self._tokenizer = tokenizer
+        self._special_tokens = special_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise SpecserveError("top_logprobs needs logprobs: true")
+        if len(body.messages) > self.limits.max_messages:
+            raise SpecserveError(
+                f"messages: at most {self.limits.max_messages} messages per request, got {len(body.messages)}"
+            )
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -192,21 +233,39 @@ class ChatGeneration(Generation):
             for m in self.body.messages
         ]
 
+    def _check_special_tokens(self) -> None:
+        for i, message in enumerate(self.body.messages):
+            parts = (
+                [(f"messages.{i}.content", message.content)]
+                if isinstance(message.content, str)
+                else [(f"messages.{i}.content.{j}.text", part.text) for j, part in enumerate(message.content)]
+            )
+            for field, text in parts:
+                found = self._special_tokens.search(text)
+                if found:
+                    raise SpecserveError(
+                        f"{field}: holds the special token {found.group()!r}, which this server does not "
+                        "accept in message content (--reject-special-tokens-in-content)"
+                    )
+
     def prompt_token_ids(self) -> dict[str, list[int]]:
-        """The conversation through the chat template (run on the engine thread, the tokenizer's owner)."""
+        """The conversation through the chat template (run on a tokenizer thread)."""
         tokenizer = self._tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise SpecserveError("this model has no chat template; use /v1/completions")
+        if self._special_tokens is not None:
+            self._check_special_tokens()
         text = tokenizer.apply_chat_template(self.messages(), add_generation_prompt=True, tokenize=False)
         # The template writes the special tokens itself; adding them again would double a BOS.
         return {"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def engine_requests(self) -> list[EngineRequest]:
         max_tokens = self.body.max_completion_tokens or self.body.max_tokens
+        source = self.prompt_token_ids  # one object, so the choices share one rendering
+        # Absent, max_tokens means "up to the context"; given, it must fit beside the prompt.
+        strict = max_tokens is not None
         return [
-            EngineRequest(
-                self.prompt_token_ids, sampling_params(self.body, max_tokens, self.num_top_logprobs, j)
-            )
+            EngineRequest(source, sampling_params(self.body, max_tokens, self.num_top_logprobs, j), strict)
             for j in range(self.body.n)
         ]
 
@@ -228,7 +287,7 @@ class ChatGeneration(Generation):
             index=update.index,
             delta=Delta(content=update.output.delta_text),
             logprobs=self._logprobs(*self._new_tokens(update)),
-            finish_reason=update.output.finish_reason,
+            finish_reason=finish_reason(update.output.finish_reason),
         )
         return [self._chunk([choice])]
 
@@ -241,7 +300,7 @@ class ChatGeneration(Generation):
                 index=i,
                 message=AssistantMessage(content=u.output.text),
                 logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or []),
-                finish_reason=u.output.finish_reason,
+                finish_reason=finish_reason(u.output.finish_reason),
             )
             for i, u in sorted(self.latest.items())
         ]

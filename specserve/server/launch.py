@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from types import FrameType
 
 import uvicorn
@@ -12,6 +13,7 @@ from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.server.app import build_app
 from specserve.server.async_engine import AsyncEngine
+from specserve.server.limits import ServerLimits, http_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +22,10 @@ UVICORN_SHUTDOWN_MARGIN_S = 5.0
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM or SIGINT: stop accepting (uvicorn closes the socket), let live requests finish for
-    `drain_timeout_s`, then abort the rest, so every stream ends with a finish reason and [DONE].
+    """On SIGTERM or SIGINT: drain. New requests get 503 with Retry-After (the socket stays open, so clients
+    and load balancers see it), live ones get `drain_timeout_s` to finish, then the rest are aborted (their
+    streams end with a finish reason and [DONE]); once nothing is in flight, uvicorn shuts down. A second
+    signal shuts down at once (uvicorn's own handling: a third Ctrl-C stops waiting for connections).
 
     uvicorn re-raises a caught SIGTERM once it has shut down, so the process would die of it (status 143);
     a server that drained cleanly exits 0 instead.
@@ -31,15 +35,39 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.async_engine = async_engine
         self.drain_timeout_s = drain_timeout_s
+        self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.async_engine.draining:
             logger.info("signal %d: draining for up to %.0fs", sig, self.drain_timeout_s)
             self.async_engine.begin_drain(self.drain_timeout_s)
-        if sig == signal.SIGTERM:
+            self._drain_deadline = time.monotonic() + self.drain_timeout_s
+        elif sig == signal.SIGTERM:
             self.should_exit = True
         else:
             super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self._drain_deadline is None:
+            return False
+        if self.async_engine.num_in_flight == 0:
+            return True
+        # A backstop: past the deadline the engine aborts what is left, and its handlers end at once.
+        return time.monotonic() > self._drain_deadline + UVICORN_SHUTDOWN_MARGIN_S
+
+
+def uvicorn_config(app, limits: ServerLimits, **kwargs) -> uvicorn.Config:
+    """uvicorn's config for `app` with the limits' timeouts: idle keep-alive, and headers (the body's
+    deadline is the app's `RequestBodyLimit`)."""
+    return uvicorn.Config(
+        app,
+        http=http_protocol(limits.request_read_timeout_s),
+        timeout_keep_alive=limits.timeout_keep_alive_s,
+        access_log=False,  # the app logs one line per request itself, with token counts and timings
+        **kwargs,
+    )
 
 
 def serve(
@@ -53,18 +81,26 @@ def serve(
     max_waiting: int = 256,
     drain_timeout_s: float = 30.0,
     log_stats_interval_s: float = 10.0,
+    limits: ServerLimits | None = None,
+    tokenizer_workers: int = 2,
     **engine_args,
 ) -> int:
     """Serve `model` until SIGTERM or Ctrl-C; returns the exit status. `engine_args` go to EngineConfig."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = limits or ServerLimits()
     engine = LLMEngine(EngineConfig(model=model, **engine_args), speculative_config)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, log_stats_interval_s=log_stats_interval_s)
-    app = build_app(async_engine, served_model_name or model, api_key=api_key)
-    config = uvicorn.Config(
+    async_engine = AsyncEngine(
+        engine,
+        max_waiting=max_waiting,
+        log_stats_interval_s=log_stats_interval_s,
+        tokenizer_workers=tokenizer_workers,
+    )
+    app = build_app(async_engine, served_model_name or model, api_key=api_key, limits=limits)
+    config = uvicorn_config(
         app,
+        limits,
         host=host,
         port=port,
-        access_log=False,  # the app logs one line per request itself, with token counts and timings
         timeout_graceful_shutdown=drain_timeout_s + UVICORN_SHUTDOWN_MARGIN_S,
     )
     DrainingServer(config, async_engine, drain_timeout_s).run()

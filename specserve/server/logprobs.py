@@ -56,10 +56,13 @@ def completion_logprobs(
         offsets.append(text_offset)
         text_offset += len(token)
     top_logprobs = []
-    for step in steps:
+    for token, step in zip(token_ids, steps):
+        # OpenAI's legacy semantics: the k likeliest tokens and always the sampled one (up to k + 1
+        # entries; with logprobs 0, just the sampled token).
         top: dict[str, float] = {}
         for token_id, logprob in _top(step, k):
             top.setdefault(text_of(token_id), logprob)  # two ids may decode alike: keep the likelier
+        top.setdefault(text_of(token), step[token])
         top_logprobs.append(top)
     return CompletionLogprobs(
         tokens=tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_CHOICES = 128  # `n` above this is surely a mistake; each choice is one engine request
 MAX_LOGPROBS = 20  # the engine returns at most 20 alternatives per token
@@ -28,8 +28,24 @@ def integer(**bounds) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral_float_as_int)]
 
 
-FinishReason = Literal["stop", "length", "abort"]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+def _valid_unicode(value: str) -> str:
+    # JSON may carry lone surrogates ("\\ud800"); they are not text, and the tokenizer cannot take them.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"the text holds a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
+                "which is not valid Unicode"
+            ) from None
+    return value
+
+
+# Every text field of a request: valid Unicode (pydantic lets lone surrogates through in some unions).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+# OpenAI's values only (its clients type them as a Literal); an aborted request reports "length".
+FinishReason = Literal["stop", "length"]
+NonEmptyStr = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = integer(ge=0)
 
 
@@ -44,7 +60,7 @@ class StreamOptions(_Request):
 class SamplingFields(_Request):
     """Everything both generation endpoints share: the model, how many choices, and how to sample."""
 
-    model: str | None = Field(None, description="must name the served model when given")
+    model: Text | None = Field(None, description="must name the served model when given")
     n: integer(ge=1, le=MAX_CHOICES) = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -61,7 +77,7 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = Field(False, description="logprob tokens as 'token_id:<id>'")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -77,12 +93,12 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
 
 class ChatCompletionRequest(SamplingFields):
