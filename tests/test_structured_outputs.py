@@ -194,3 +194,51 @@ def test_speculative_sampling_under_a_constraint_matches_the_masked_target(tmp_p
     stats = llm.engine.spec_stats
     assert 0.05 < stats.acceptance_rate < 0.95, stats  # drafts accepted and rejected
     assert chi_square_pvalue(counts, exact_masked_joint(reference, prompt, params), n) > 0.001
+
+
+# ---- the OpenAI server ----------------------------------------------------------------------------------
+def test_the_server_maps_response_format_and_structured_outputs(chat_dir):
+    import openai
+
+    from tests.server_harness import MODEL_NAME, running_server
+
+    messages = [{"role": "user", "content": "Give me JSON."}]
+    engine_llm = LLM(chat_dir, max_model_len=256)
+    with running_server(chat_dir, max_model_len=256) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL_NAME, messages=messages, max_tokens=48, temperature=0.0)
+        for response_format, constraint in [
+            (
+                {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}},
+                {"json": SCHEMA},
+            ),
+            ({"type": "json_object"}, {"json_object": True}),
+        ]:
+            reply = client.chat.completions.create(response_format=response_format, **ask)
+            expected = engine_llm.chat(
+                messages, SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=constraint)
+            )
+            assert reply.choices[0].message.content == expected[0].outputs[0].text
+            grammar = engine_llm.engine.grammars.compile(StructuredOutputsParams(**constraint))
+            assert all(grammar.accept(t) for t in expected[0].outputs[0].token_ids)
+        reply = client.chat.completions.create(extra_body={"structured_outputs": CONSTRAINTS["json"]}, **ask)
+        assert reply.choices[0].finish_reason == "stop"
+        check("json", reply.choices[0].message.content)
+        with pytest.raises(openai.BadRequestError, match="structured_outputs.json: .*objectx"):
+            client.chat.completions.create(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "objectx"}},
+                },
+                **ask,
+            )
+        with pytest.raises(openai.BadRequestError, match="give one of them"):
+            client.chat.completions.create(
+                response_format={"type": "json_object"},
+                extra_body={"structured_outputs": {"regex": "a"}},
+                **ask,
+            )
+        with pytest.raises(openai.BadRequestError, match="unknown keys"):
+            client.completions.create(
+                model=MODEL_NAME, prompt="x", extra_body={"structured_outputs": {"jsn": 1}}
+            )

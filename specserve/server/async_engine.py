@@ -295,6 +295,9 @@ class AsyncEngine:
                     f"max_model_len is {max_len} tokens, but this request asks for {total} ({len(last_ids)} "
                     f"in the prompt, max_tokens {max_tokens}); shorten the prompt or lower max_tokens"
                 )
+            if request.params.structured_outputs is not None:
+                # Checked here, off the engine thread (the first one also builds the tokenizer's view).
+                self.engine.grammars.compile(request.params.structured_outputs)
             prepared.append(EngineRequest({"prompt_token_ids": last_ids}, request.params))
         return prepared
 

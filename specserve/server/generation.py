@@ -58,7 +58,22 @@ def sampling_params(
         stop_token_ids=given(body.stop_token_ids, []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=output_constraint(body),
     )
+
+
+def output_constraint(body: SamplingFields) -> dict | None:
+    """`response_format` (OpenAI's) or `structured_outputs` (vLLM's) as the engine's constraint."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text" and body.structured_outputs is not None:
+        raise SpecserveError("response_format and structured_outputs: give one of them")
+    if fmt is None or fmt.type == "text":
+        return body.structured_outputs
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None:
+        raise SpecserveError("response_format.json_schema: required when type is 'json_schema'")
+    return {"json": fmt.json_schema.schema_}
 
 
 def finish_reason(reason: str | None) -> str | None:

@@ -57,6 +57,18 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict = Field(alias="schema", description="the JSON schema the output must follow")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Request):
     """Everything both generation endpoints share: the model, how many choices, and how to sample."""
 
@@ -78,6 +90,9 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's: {"json": schema} | {"json_object": true} | {"regex": ...} | {"choice": [...]} | {"grammar": ...}
+    structured_outputs: dict | None = None
 
 
 class CompletionRequest(SamplingFields):
