@@ -16,9 +16,13 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from specserve.models.gemma import GemmaForCausalLM
+from specserve.layers.linear import onednn_available
+from specserve.models.gemma import GemmaExperts, GemmaForCausalLM
+from specserve.models.loader import load_model
 from specserve.models.registry import build_model
 from tests.paged_harness import PagedHarness
+from tests.test_linear import assert_batch_invariant
+from tests.test_quant import assert_greedy_speculation_is_exact
 
 TOL = 1e-4
 VOCAB = 256
@@ -268,6 +272,50 @@ def test_embedding_scale_is_rounded_to_weight_dtype(make, tmp_path):
     want = hf.to(torch.bfloat16).model.embed_tokens(torch.tensor(ids))
     assert captured[-1].dtype == torch.bfloat16
     assert torch.equal(captured[-1], want)
+
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="batch invariance needs oneDNN's linears")
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_tied_head_is_batch_invariant(arch, tiny_model_dir):
+    """The tied head is a linear on the embedding, packed like every other (F.linear is not invariant)."""
+    model, _, _ = load_model(str(tiny_model_dir(arch)))
+    assert_batch_invariant(model.compute_logits, model.config.hidden_size)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@needs_onednn
+def test_moe_experts_are_batch_invariant():
+    """An expert's row count changes with the batch: each row must come out the same at any count."""
+    config = gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    experts = GemmaExperts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(6))
+
+    def layer(x):  # a routing of each row by its own values, so that it is the same alone and in a batch
+        top = x[:, : config.num_experts].topk(config.top_k_experts)
+        return experts(x, top.values.softmax(-1), top.indices)
+
+    assert_batch_invariant(layer, config.hidden_size)
+
+
+@needs_onednn
+def test_greedy_speculation_equals_greedy_decoding(tmp_path):
+    """Gemma 4 with sliding windows, a MoE block and a tied head whose rows pair up 2^-22 apart (relative),
+    so that logits tie to within rounding: ngram speculation must emit the tokens decoding does."""
+    config = CONFIGS["gemma4_moe"]()
+    hf = Gemma4ForCausalLM(config).eval()
+    perturb(hf, seed=7)
+    with torch.no_grad():
+        embed = hf.model.embed_tokens.weight
+        noise = torch.randn(embed[0::2].shape, generator=torch.Generator().manual_seed(0))
+        embed[1::2] = embed[0::2] * (1 + 2**-22 * noise)
+    hf.generation_config.eos_token_id = None
+    hf.save_pretrained(tmp_path)
+    assert_greedy_speculation_is_exact(str(tmp_path), None)
 
 
 # Layouts of released models (dims as published, vocab cut) checked on the meta device: names and shapes of

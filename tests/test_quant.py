@@ -405,7 +405,7 @@ def near_tie_model(tmp_path_factory):
     """near_tie_model(attention) -> the tiny Qwen3 with its head's rows in pairs 2^-22 apart (relative): the
     two logits of a pair tie to within rounding at every step, so a kernel whose row result depends on the
     batch flips greedy tokens. attention=False zeroes v_proj: attention then adds exactly 0, and what is
-    left to differ is the linear layers (attention itself is not batch invariant yet)."""
+    left to differ is the linear layers alone."""
     cache = {}
 
     def get(attention: bool) -> str:
@@ -450,11 +450,8 @@ def test_greedy_ngram_speculation_equals_greedy_decoding(mode, near_tie_model):
     assert_greedy_speculation_is_exact(near_tie_model(attention=False), mode)
 
 
-@pytest.mark.xfail(
-    reason="sdpa_paged_attention is not batch invariant: F.scaled_dot_product_attention gives a query other "
-    "last bits alone than among others (int8 and int4 hide most of it in their bf16 input rounding)"
-)
 def test_greedy_ngram_speculation_equals_greedy_decoding_with_attention(near_tie_model):
+    """Attention too: a verified row is attended as it is decoded alone (layers/attention.py)."""
     assert_greedy_speculation_is_exact(near_tie_model(attention=True), None)
 
 

@@ -4,6 +4,13 @@ A *piece* is a run of consecutive new tokens of one sequence (a prompt chunk, a 
 [anchor, d1..dk] verification block). Each piece attends causally to everything its sequence has cached
 before it plus itself. Pieces of different sequences never see each other.
 
+Batch invariance: each query row of a short piece (a decode token, a verification block) is attended in
+an SDPA call of its own against exactly the keys it sees (its causal prefix, cut to the sliding window),
+unmasked and unpadded, so its bits cannot depend on the rest of the batch and a token verified among drafts
+gets what it gets decoded alone. Rows do not share a call even at equal key counts: the CPU kernel's MKL
+GEMMs round by the address of their per-thread output buffer, and which thread runs a row depends on its
+place in the call. Long pieces (prompt chunks) keep one causally masked call each.
+
 The metadata is built once per engine step and shared by every layer; layers only write their new K/V
 into the cache and call the backend.
 """
@@ -19,8 +26,8 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from specserve.layers.gated_deltanet import StateCheckpoints
 
-# Pieces with at most this many query rows are attended together in one padded SDPA call; longer ones
-# (prompt chunks) get a call of their own so that short pieces are not padded to their length.
+# Pieces with at most this many query rows (decode tokens, verification blocks) are attended row by row;
+# longer ones (prompt chunks) in one masked call each, which is fast but makes a row depend on the piece.
 BATCHED_PIECE_MAX_LEN = 32
 
 
@@ -40,36 +47,81 @@ class KVCache:
         self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v.to(self.v.dtype))
 
     def gather(self, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values at flat slots kv_index [G, L] -> [G, num_kv_heads, L, head_dim]."""
-        flat_k = self.k.view(-1, *self.k.shape[2:])
-        flat_v = self.v.view(-1, *self.v.shape[2:])
-        return flat_k[kv_index].transpose(1, 2), flat_v[kv_index].transpose(1, 2)
+        """Keys/values at flat slots kv_index [L] -> [num_kv_heads, L, head_dim]."""
+        # index_select: 5x faster than indexing with the tensor (1000 slots of 2 x 64 floats: 47 vs 231 us)
+        k, v = (c.view(-1, *c.shape[2:]).index_select(0, kv_index) for c in (self.k, self.v))
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def first_key(position: int, sliding_window: int | None) -> int:
+    """The first key a query at `position` sees: 0, or the start of its sliding window."""
+    return 0 if sliding_window is None else max(0, position + 1 - sliding_window)
 
 
 @dataclass
-class PieceGroup:
-    """Pieces attended in one padded SDPA call, with every index tensor that call needs."""
+class RowKeys:
+    """Where the short rows' keys are for one sliding window: row i attends keys[spans[i][0]:spans[i][1]]."""
 
-    row_index: torch.Tensor  # [G, Q] flat query row of each padded query slot (0 where padding)
-    row_valid: torch.Tensor  # [G, Q] bool
-    query_pos: torch.Tensor  # [G, Q] absolute position of each query slot
-    kv_index: torch.Tensor  # [G, L] flat cache slot of key j of each piece (0 where padding)
-    kv_len: torch.Tensor  # [G] keys available to each piece (cached + new)
+    kv_index: torch.Tensor  # [T] flat cache slots of the keys gathered, piece after piece
+    spans: list[tuple[int, int]]  # per row, its keys' range in kv_index
+
+
+@dataclass
+class ShortRows:
+    """Every query row of the short pieces, each attended alone against exactly its own keys."""
+
+    rows: torch.Tensor  # [R] flat query row
+    positions: list[int]  # [R] absolute position of each row
+    key_ends: list[int]  # [R] the row sees its sequence's keys before this position
+    pieces: list[int]  # [R] the row's piece, among the short ones
+    first_positions: list[int]  # [S] position of each short piece's first row
+    kv_lens: list[int]  # [S] keys of each short piece's sequence (cached + new)
+    tables: torch.Tensor  # [S, max blocks] block table of each short piece
+    block_size: int
+    _keys: dict[int | None, RowKeys] = field(default_factory=dict)
+
+    def keys(self, sliding_window: int | None) -> RowKeys:
+        if sliding_window not in self._keys:
+            self._keys[sliding_window] = self._gather_plan(sliding_window)
+        return self._keys[sliding_window]
+
+    def _gather_plan(self, sliding_window: int | None) -> RowKeys:
+        """A piece's keys are gathered once, from its first row's first key to its sequence's end."""
+        firsts = [first_key(p, sliding_window) for p in self.first_positions]
+        lengths = [kv_len - first for first, kv_len in zip(firsts, self.kv_lens, strict=True)]
+        offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        key0 = (offsets - torch.tensor(firsts)).tolist()  # where key 0 of each piece's sequence would be
+        counts = torch.tensor(lengths)
+        piece_of_key = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+        key_pos = torch.arange(sum(lengths)) - torch.repeat_interleave(torch.tensor(key0), counts)
+        spans = [
+            (key0[piece] + first_key(pos, sliding_window), key0[piece] + end)
+            for piece, pos, end in zip(self.pieces, self.positions, self.key_ends, strict=True)
+        ]
+        kv_index = slot_mapping(self.tables, piece_of_key, key_pos, self.block_size)
+        return RowKeys(kv_index=kv_index, spans=spans)
+
+
+@dataclass
+class LongPiece:
+    """A prompt chunk's rows [start, end), attended in one call against its sequence's keys, masked."""
+
+    start: int
+    end: int
+    kv_index: torch.Tensor  # [L] flat cache slot of key j (every key of the sequence so far)
+    query_pos: torch.Tensor  # [Q] absolute position of each row
     causal: bool = True  # False: every query sees all of its sequence's keys (DSpark's draft blocks)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[G, 1, Q, L] bool: causal, within the piece's sequence, and inside the window if any."""
+        """[1, 1, Q, L] bool: causal, and inside the window if any."""
         if sliding_window not in self._masks:
-            key_pos = torch.arange(self.kv_index.shape[1])
-            q = self.query_pos[:, :, None]
-            k = key_pos[None, None, :]
-            allowed = (k < self.kv_len[:, None, None]) & ((k <= q) | (not self.causal))
+            q = self.query_pos[:, None]
+            k = torch.arange(len(self.kv_index))[None, :]
+            allowed = (k <= q) | (not self.causal)
             if sliding_window is not None:
                 allowed &= k > q - sliding_window
-            # Padded query slots attend key 0 so that softmax stays finite; their output is dropped.
-            allowed |= (~self.row_valid[:, :, None]) & (k == 0)
-            self._masks[sliding_window] = allowed[:, None]
+            self._masks[sliding_window] = allowed[None, None]
         return self._masks[sliding_window]
 
 
@@ -97,7 +149,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # [N] absolute position of each new token
     block_size: int
     causal: bool = True
-    groups: list[PieceGroup] = field(default_factory=list)
+    short: ShortRows | None = None  # rows of the pieces of at most BATCHED_PIECE_MAX_LEN rows
+    long_pieces: list[LongPiece] = field(default_factory=list)
     state_slots: torch.Tensor | None = None  # [P] long: each piece's recurrent-state slot (hybrid models)
     checkpoints: StateCheckpoints | None = None  # pieces whose recurrent state may be rolled back
 
@@ -129,35 +182,43 @@ class AttentionMetadata:
             state_slots=state_slots,
             checkpoints=checkpoints,
         )
-        short = [p for p in range(num_pieces) if q_lens[p] <= BATCHED_PIECE_MAX_LEN]
+        short = [p for p in range(num_pieces) if 0 < q_lens[p] <= BATCHED_PIECE_MAX_LEN]  # empty: no rows
+        meta.short = meta._short_rows(short, tables) if short else None
         long = [p for p in range(num_pieces) if q_lens[p] > BATCHED_PIECE_MAX_LEN]
-        meta.groups = [meta._group(g, tables) for g in ([short] if short else []) + [[p] for p in long]]
+        meta.long_pieces = [meta._long_piece(p, tables) for p in long]
         return meta
 
     @property
     def num_tokens(self) -> int:
         return self.query_start[-1]
 
-    def _group(self, pieces: list[int], tables: torch.Tensor) -> PieceGroup:
-        idx = torch.tensor(pieces)
-        starts = torch.tensor(self.query_start)
-        q_start, q_lens = starts[idx], starts[idx + 1] - starts[idx]
-        kv_len = torch.tensor(self.context_lens)[idx]
-        offsets = torch.arange(int(q_lens.max()))
-        valid = offsets[None, :] < q_lens[:, None]
-        rows = torch.where(valid, q_start[:, None] + offsets, 0)
-        bs = self.block_size
-        max_kv = int(kv_len.max())
-        group_tables = tables[idx, : -(-max_kv // bs)]
-        kv_index = (group_tables[:, :, None] * bs + torch.arange(bs)).reshape(len(pieces), -1)[:, :max_kv]
-        return PieceGroup(
-            row_index=rows,
-            row_valid=valid,
-            query_pos=self.positions[rows],
-            kv_index=kv_index,
-            kv_len=kv_len,
-            causal=self.causal,
+    def _short_rows(self, pieces: list[int], tables: torch.Tensor) -> ShortRows:
+        positions = self.positions.tolist()
+        rows, row_piece, key_ends = [], [], []
+        for i, p in enumerate(pieces):
+            start, end = self.query_start[p], self.query_start[p + 1]
+            rows += range(start, end)
+            row_piece += [i] * (end - start)
+            if self.causal:
+                key_ends += [pos + 1 for pos in positions[start:end]]
+            else:
+                key_ends += [self.context_lens[p]] * (end - start)
+        return ShortRows(
+            rows=torch.tensor(rows),
+            positions=[positions[r] for r in rows],
+            key_ends=key_ends,
+            pieces=row_piece,
+            first_positions=[positions[self.query_start[p]] for p in pieces],
+            kv_lens=[self.context_lens[p] for p in pieces],
+            tables=tables[torch.tensor(pieces)],
+            block_size=self.block_size,
         )
+
+    def _long_piece(self, p: int, tables: torch.Tensor) -> LongPiece:
+        start, end = self.query_start[p], self.query_start[p + 1]
+        kv_len = self.context_lens[p]
+        kv_index = slot_mapping(tables, torch.full((kv_len,), p), torch.arange(kv_len), self.block_size)
+        return LongPiece(start, end, kv_index, self.positions[start:end], self.causal)
 
 
 class AttentionBackend(Protocol):
@@ -183,19 +244,63 @@ def sdpa_paged_attention(
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, n_heads, d] against the cache (new K/V already written) -> [N, n_heads, d_v]."""
-    n_heads = q.shape[1]
-    out = q.new_empty(q.shape[0], n_heads, cache.v.shape[-1])
-    for group in meta.groups:
-        k, v = cache.gather(group.kv_index)
-        qg = q[group.row_index].transpose(1, 2)  # [G, n_heads, Q, d]
-        mask = group.mask(sliding_window)
-        if logit_softcap is None:
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:
-            rep = n_heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            scores = torch.tanh(qg @ k.transpose(-1, -2) * (scale / logit_softcap)) * logit_softcap
-            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        o = o.transpose(1, 2)  # [G, Q, n_heads, d]
-        out[group.row_index[group.row_valid]] = o[group.row_valid]
+    out = q.new_empty(q.shape[0], q.shape[1], cache.v.shape[-1])
+    if meta.short is not None:
+        out[meta.short.rows] = _attend_rows(q, cache, meta.short, scale, sliding_window, logit_softcap)
+    for piece in meta.long_pieces:
+        out[piece.start : piece.end] = _attend_piece(q, cache, piece, scale, sliding_window, logit_softcap)
     return out
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    cache: KVCache,
+    short: ShortRows,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """Each row alone against its own keys: [R, n_heads, d_v]. The query heads that share a KV head are
+    the query rows of that head's call, so that K/V are read once per KV head rather than once per head."""
+    plan = short.keys(sliding_window)
+    k, v = cache.gather(plan.kv_index)
+    queries = q[short.rows].view(len(plan.spans), k.shape[0], -1, q.shape[-1])
+    outs = [
+        _attend(queries[i : i + 1], k[None, :, a:b], v[None, :, a:b], scale, logit_softcap)
+        for i, (a, b) in enumerate(plan.spans)
+    ]
+    return torch.cat(outs).flatten(1, 2)
+
+
+def _attend_piece(
+    q: torch.Tensor,
+    cache: KVCache,
+    piece: LongPiece,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """A long piece's rows in one masked call: [Q, n_heads, d_v]."""
+    k, v = cache.gather(piece.kv_index)
+    queries = q[piece.start : piece.end].transpose(0, 1)[None]
+    o = _attend(queries, k[None], v[None], scale, logit_softcap, piece.mask(sliding_window))
+    return o[0].transpose(0, 1)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    logit_softcap: float | None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [1, H, M, d] against k, v [1, KV, L, d] (H a multiple of KV) -> [1, H, M, d_v]."""
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / logit_softcap)) * logit_softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v

@@ -83,6 +83,23 @@ def onednn_linear_padded(
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def onednn_takes(x: torch.Tensor) -> bool:
+    """Whether oneDNN's op can run input x: CPU fp32, and no gradient to keep. It has no autograd, so a
+    backward through it (a drafter trained through a shared target head) would get wrong gradients."""
+    needs_grad = x.requires_grad and torch.is_grad_enabled()
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not needs_grad
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a dense weight that no PackedLinear holds (a slice of a fused expert tensor): oneDNN
+    on the weight as it is, as batch invariant as on a packed one but reordering it on every call (1.2-1.7x
+    the packed call's time at Gemma 4 26B-A4B's expert shapes, M = 1..8). `F.linear` where oneDNN cannot
+    run it or is switched off."""
+    if linear_backend() == "onednn" and onednn_takes(x) and packable(weight):
+        return onednn_linear_padded(x, weight, None)
+    return F.linear(x, weight)
+
+
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -97,9 +114,8 @@ def linear_backend(enabled: bool | None = None) -> str:
     return backend if onednn_available() else "torch"
 
 
-def packable(linear: nn.Linear) -> bool:
+def packable(w: torch.Tensor) -> bool:
     """Only CPU fp32 weights: other devices have their own kernels, and bf16/fp16 are far slower here."""
-    w = linear.weight
     return w.device.type == "cpu" and w.dtype == torch.float32 and not w.is_mkldnn
 
 
@@ -115,7 +131,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False):
         super().__init__()
-        if not packable(linear):
+        if not packable(linear.weight):
             raise ValueError(
                 f"PackedLinear needs a CPU fp32 weight, got {linear.weight.dtype} on {linear.weight.device}"
             )
@@ -134,10 +150,7 @@ class PackedLinear(nn.Module):
         return self._packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # oneDNN's op has no autograd: a backward through it (a drafter trained through a shared target
-        # head) would get silently wrong gradients, so an input that needs one goes through F.linear.
-        needs_grad = x.requires_grad and torch.is_grad_enabled()
-        if x.dtype != torch.float32 or x.device.type != "cpu" or needs_grad:
+        if not onednn_takes(x):
             bias = None if self.bias is None else self.bias.to(x)
             return F.linear(x, self.weight.to(x), bias)
         return onednn_linear_padded(x, self._packed, self.bias)
@@ -196,7 +209,7 @@ def pack_linears(
     # would keep every dense weight alive until the end, doubling peak memory while packing.
     names_of: dict[int, list[str]] = {}
     for qualname, module in model.named_modules(remove_duplicate=False):
-        if qualname and type(module) is nn.Linear and packable(module):
+        if qualname and type(module) is nn.Linear and packable(module.weight):
             if min(module.in_features, module.out_features) >= min_features:
                 names_of.setdefault(id(module), []).append(qualname)
     count = 0

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.linear import batch_invariant_linear
 from specserve.layers.mlp import GatedMLP, activation
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
@@ -167,7 +168,8 @@ class GemmaRouter(nn.Module):
 
 
 class GemmaExperts(nn.Module):
-    """Expert MLPs stored as HF's fused 3-D tensors; one iteration per active expert."""
+    """Expert MLPs stored as HF's fused 3-D tensors; one iteration per active expert. An expert's row count
+    changes with the batch, so its matmuls must be batch invariant (`F.linear` is not)."""
 
     def __init__(self, config):
         super().__init__()
@@ -180,8 +182,8 @@ class GemmaExperts(nn.Module):
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            gate, up = batch_invariant_linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = batch_invariant_linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
@@ -286,19 +288,18 @@ class GemmaForCausalLM(CausalLM):
         return self.model(input_ids, positions, attn, kv_caches, set(capture_layers))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.lm_head(hidden).float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def output_layer(self) -> nn.Module:
-        if not self.tied:
-            return self.lm_head
-        embed = self.model.embed_tokens.weight
-        layer = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
-        layer.weight = embed  # a view of the tied embedding, not a copy
-        return layer
+    def tie_weights(self) -> None:
+        """A tied head becomes an nn.Linear on the embedding's own Parameter, made after loading so that no
+        head weight is allocated or read: `pack_linears` then packs it (batch invariant), as Qwen's."""
+        if self.tied:
+            embed = self.model.embed_tokens.weight
+            self.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+            self.lm_head.weight = embed
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         return [
