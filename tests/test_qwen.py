@@ -121,7 +121,7 @@ class Checker:
 
 
 def test_prefill_then_batched_decode_and_verify(fam):
-    # 37 > BATCHED_PIECE_MAX_LEN: that prompt takes attention's per-piece path, the others the padded one.
+    # 37 > BATCHED_PIECE_MAX_LEN: that prompt takes attention's masked per-piece path, the others row by row.
     prompts = [5, 37, 1, 12]
     decode = [[1, 1, 1, 1], [3, 4, 1, 3], [4, 3, 4, 4], [1, 1, 3, 1], [3, 3, 3, 3]]
     seqs = random_seqs([p + sum(s[i] for s in decode) for i, p in enumerate(prompts)], seed=1)
