@@ -327,8 +327,11 @@ def test_two_process_gloo_step_equals_one_process(tiny_model_dir, tmp_path):
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["loss"] == pytest.approx(logs["loss"], rel=1e-5)
+        # The ranks compute their target features in processes of their own, where a few last bits can
+        # differ (MKL rounds by buffer alignment); after one Adam step at lr 1e-2 that leaves ~1e-6 of
+        # noise in a few weights, while a rank that trained on its half of the batch alone would be ~lr off.
         for name, value in single.model.state_dict().items():
-            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-5)
 
 
 def test_conversation_loss_mask_covers_assistant_turns_only(tmp_path):
