@@ -40,7 +40,7 @@ PARITY_TESTS := tests/test_rotary.py tests/test_gemma.py tests/test_qwen.py test
 
 $(VENV_MIN)/.installed: pyproject.toml
 	python3 -m venv $(VENV_MIN)
-	$(VENV_MIN)/bin/pip install -q -e . pytest torch==2.13.0 transformers==$(TRANSFORMERS_MIN) $(PIP_QUIET)
+	$(VENV_MIN)/bin/pip install -q -e . pytest scipy torch==2.13.0 transformers==$(TRANSFORMERS_MIN) $(PIP_QUIET)
 	touch $@
 
 test-transformers-min: $(VENV_MIN)/.installed
