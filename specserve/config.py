@@ -81,9 +81,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # OpenAI's: token id -> a bias in [-100, 100] added to its logit before anything else sees the row
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        self._check_logit_bias()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -117,6 +120,21 @@ class SamplingParams:
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"
         )
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        _check(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias")
+        for token, bias in self.logit_bias.items():
+            _check(
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+            )
+            _check(
+                isinstance(bias, int | float) and not isinstance(bias, bool) and -100 <= bias <= 100,
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}",
+            )
+        self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()} or None
 
     @property
     def greedy(self) -> bool:

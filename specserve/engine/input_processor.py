@@ -52,10 +52,18 @@ class InputProcessor:
             )
         return ids
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        outside = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if outside:
+            raise SpecserveError(
+                f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}"
+            )
+
     def process(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise SpecserveError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids, text = self.tokenize(prompt)
+        self._check_logit_bias(params)
         if len(token_ids) >= self.max_model_len:
             raise SpecserveError(
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, so at most "

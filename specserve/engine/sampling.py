@@ -1,8 +1,9 @@
 """A step's logits -> each sampling piece's new tokens: plain rows sampled under the request's parameters,
-verification rows through lossless rejection sampling, and raw logprobs where the request asks for them.
-A request with an output constraint has every row it samples from (each verify row included) masked to
-what its grammar allows after the tokens before that row, so rejection sampling keeps the target's
-distribution under the constraint exactly."""
+verification rows through lossless rejection sampling, and logprobs where the request asks for them.
+A request's logit_bias is added to every row it samples from, and a request with an output constraint has
+each such row (each verify row included) masked to what its grammar allows after the tokens before that
+row, so rejection sampling keeps the target's distribution under bias and constraint exactly; logprobs
+are those of the biased, masked logits."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class StepSampler:
     ) -> list[PieceResult | None]:
         """Per piece its result; None for a prompt chunk that does not reach its sequence's end."""
         results: list[PieceResult | None] = [None] * len(pieces)
-        logits = self._constrained(pieces, layout, logits)
+        logits = self._processed(pieces, layout, logits)
         if layout.plain:
             seqs = [pieces[i].seq for i in layout.plain]
             for i, result in zip(
@@ -41,20 +42,30 @@ class StepSampler:
         return results
 
     @staticmethod
-    def _constrained(pieces: list[ScheduledPiece], layout: StepLayout, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` with the rows of constrained requests masked by their grammars."""
-        constrained = [i for i in layout.plain + layout.verified if pieces[i].seq.grammar is not None]
-        if not constrained:
+    def _processed(pieces: list[ScheduledPiece], layout: StepLayout, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with each request's logit_bias added to its rows and the rows of constrained requests
+        masked by their grammars: what every later stage (penalties, temperature, verification) sees."""
+        sampled = layout.plain + layout.verified
+        biased = [i for i in sampled if pieces[i].seq.params.logit_bias]
+        constrained = [i for i in sampled if pieces[i].seq.grammar is not None]
+        if not biased and not constrained:
             return logits
-        rows = layout.logit_rows_of(constrained)
-        masks = torch.cat(
-            [
-                pieces[i].seq.grammar.masks(pieces[i].draft.token_ids if pieces[i].draft is not None else [])
-                for i in constrained
-            ]
-        )
         logits = logits.clone()
-        logits[rows] = mask_logits(logits[rows], masks)
+        for i in biased:
+            bias = pieces[i].seq.params.logit_bias
+            rows = torch.tensor(layout.logit_rows_of([i]))[:, None]
+            logits[rows, torch.tensor(list(bias))] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+        if constrained:
+            rows = layout.logit_rows_of(constrained)
+            masks = torch.cat(
+                [
+                    pieces[i].seq.grammar.masks(
+                        pieces[i].draft.token_ids if pieces[i].draft is not None else []
+                    )
+                    for i in constrained
+                ]
+            )
+            logits[rows] = mask_logits(logits[rows], masks)
         return logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[PieceResult]:

@@ -59,7 +59,18 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         structured_outputs=output_constraint(body),
+        logit_bias=logit_bias(body.logit_bias),
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON object keys are strings) with token ids as integers."""
+    if bias is None:
+        return None
+    bad = [key for key in bias if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise SpecserveError(f"logit_bias: keys must be token ids, got {bad[:5]}")
+    return {int(key): value for key, value in bias.items()}
 
 
 def output_constraint(body: SamplingFields) -> dict | None:

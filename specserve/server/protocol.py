@@ -93,6 +93,9 @@ class SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     # vLLM's: {"json": schema} | {"json_object": true} | {"regex": ...} | {"choice": [...]} | {"grammar": ...}
     structured_outputs: dict | None = None
+    logit_bias: dict[Text, float] | None = Field(
+        None, description="token id (as a string) -> a bias in [-100, 100] added to its logit"
+    )
 
 
 class CompletionRequest(SamplingFields):
