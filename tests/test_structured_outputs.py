@@ -172,19 +172,67 @@ def exact_masked_joint(reference, prompt: list[int], params: SamplingParams) -> 
     return joint
 
 
-def test_speculative_sampling_under_a_constraint_matches_the_masked_target(tmp_path):
-    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+def letters_only(log_probs: torch.Tensor) -> torch.Tensor:
+    """A planted bigram that, like the grammar, never proposes a special token (ids 0..4)."""
+    return log_probs.index_fill(1, torch.arange(5), -30.0).log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def letter_drafters(tmp_path_factory):
+    """(reference, target dir, name -> speculative config): a draft model (the target at a higher
+    temperature), a DSpark drafter with a planted bigram under the load-aware planner, and EAGLE-3."""
+    from specserve.spec_decode.cost_profile import CostProfile
+    from tests.test_lossless import V, bigram_log_probs
+    from tests.tiny_models import save_tiny_drafter
+
+    target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
     reference = letter_model(target_dir, 0, 60.0)
-    letter_model(draft_dir, 0, 15.0)  # the target at a higher temperature: related, often wrong
+    letter_model(draft_dir, 0, 15.0)
+    dspark_dir, eagle3_dir = tmp_path_factory.mktemp("dspark"), tmp_path_factory.mktemp("eagle3")
+    save_tiny_drafter(
+        target_dir,
+        dspark_dir,
+        mask_token_id=V - 1,
+        block_size=3,
+        head_scale=0.02,
+        markov_bias=letters_only(bigram_log_probs(reference)) * 0.7,
+    )
+    save_tiny_drafter(target_dir, eagle3_dir, head_scale=0.02, eagle3=True)
+    # Step time 1 + 0.0002 B: with thousands of requests the planner verifies fewer drafts than it has.
+    profile = CostProfile([1, 4096], [1.0002, 1 + 0.0002 * 4096]).save(
+        tmp_path_factory.mktemp("cost") / "p.json"
+    )
+    return (
+        reference,
+        str(target_dir),
+        {
+            "draft_model": {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2},
+            "dspark_scheduled": {
+                "method": "dspark",
+                "model": str(dspark_dir),
+                "verify_policy": "dspark",
+                "cost_profile": str(profile),
+            },
+            "eagle3": {"method": "eagle3", "model": str(eagle3_dir), "num_speculative_tokens": 2},
+        },
+    )
+
+
+# EAGLE-3 shares every grammar path with the others (masks on target rows, proposals cut by the grammar)
+# and drafts slowly here: slow tier.
+@pytest.mark.parametrize(
+    "drafter", ["draft_model", "dspark_scheduled", pytest.param("eagle3", marks=pytest.mark.slow)]
+)
+def test_speculative_sampling_under_a_constraint_matches_the_masked_target(drafter, letter_drafters):
+    reference, target_dir, specs = letter_drafters
     prompt = [5, 9, 6, 14]
     params = SamplingParams(temperature=1.0, max_tokens=3, structured_outputs={"regex": REGEX})
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
     llm = LLM(
-        str(target_dir),
+        target_dir,
         max_model_len=64,
         max_num_seqs=1024,
         max_num_batched_tokens=8192,
-        speculative_config=spec,
+        speculative_config=specs[drafter],
     )
     n = 6000
     outs = llm.generate([prompt] * n, params)
