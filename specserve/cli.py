@@ -42,7 +42,9 @@ def _generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     t_load = time.monotonic()
     llm = LLM(**engine_kwargs(args))
-    print(f"[loaded {args.model} in {time.monotonic() - t_load:.1f}s]", file=sys.stderr)
+    config = llm.engine.config
+    loaded = f"{args.model} in {time.monotonic() - t_load:.1f}s, {config.dtype} ({config.dtype_reason})"
+    print(f"[loaded {loaded}]", file=sys.stderr)
     if args.chat and not getattr(llm.tokenizer, "chat_template", None):
         raise SpecserveError(
             f"{args.model} has no chat template (a base model): drop --chat to complete the prompt as it is"

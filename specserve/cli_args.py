@@ -24,7 +24,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         parser.add_argument("model", help=model_help)
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 where the CPU has native bf16, else fp32) | float32 | bfloat16 | float16",
+    )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context, capped at 8192"
     )

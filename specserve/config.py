@@ -177,6 +177,7 @@ def parse_memory(value: int | str) -> int:
 
 
 _DTYPES = {
+    "auto": "auto",
     "float32": "float32",
     "fp32": "float32",
     "float": "float32",
@@ -203,7 +204,7 @@ class EngineConfig:
     """Engine settings. `max_model_len=None` takes the model's context length, capped at 8192."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 where the CPU has native bf16, else fp32 (specserve/auto_dtype.py)
     max_model_len: int | None = None
     kv_cache_memory: int | str = "2GiB"
     block_size: int = 16
@@ -224,6 +225,14 @@ class EngineConfig:
             f"dtype must be one of {sorted(set(_DTYPES.values()))}, got {self.dtype!r}",
         )
         self.dtype = _DTYPES[str(self.dtype).lower()]
+        self.dtype_reason = "asked for"
+        if self.dtype == "auto":
+            from specserve.auto_dtype import auto_dtype
+
+            pinned, why = auto_dtype()
+            self.dtype = _DTYPES.get(pinned.lower(), "auto")
+            _check(self.dtype != "auto", f"{why}: unknown dtype {pinned!r}")
+            self.dtype_reason = f"auto: {why}"
         _check(
             self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
             f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",

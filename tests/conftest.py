@@ -1,9 +1,13 @@
+import os
+
 import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
 
 torch.set_num_threads(2)
+# dtype="auto" is bf16 on CPUs with native bf16; the suite's references are fp32 (servers it starts too).
+os.environ.setdefault("SPECSERVE_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

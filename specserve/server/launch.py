@@ -89,6 +89,7 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = limits or ServerLimits()
     engine = LLMEngine(EngineConfig(model=model, **engine_args), speculative_config)
+    logger.info("loaded %s in %s (%s)", model, engine.config.dtype, engine.config.dtype_reason)
     async_engine = AsyncEngine(
         engine,
         max_waiting=max_waiting,
