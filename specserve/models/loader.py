@@ -219,9 +219,14 @@ def iter_checkpoint_tensors(model_dir: Path, prefix: str = "") -> Iterator[tuple
 
     for path in _safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.startswith(prefix):
-                    yield name, fh.get_tensor(name)
+            names = [name for name in fh.keys() if name.startswith(prefix)]  # noqa: SIM118 (not a mapping)
+        for name in names:
+            # A handle maps its whole file and every page read stays resident (in RSS) until it closes: a
+            # handle per tensor keeps a load's peak at the weights plus a tensor, not plus a 2 GB shard.
+            with safe_open(str(path), framework="pt", device="cpu") as fh:
+                tensor = fh.get_tensor(name)
+            yield name, tensor
+            del tensor  # before the next read maps its pages
 
 
 def load_tokenizer(model_dir: Path):
