@@ -79,6 +79,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: per prompt token after the first, its raw logprob and the top-k alternatives (None: off)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     # OpenAI's: token id -> a bias in [-100, 100] added to its logit before anything else sees the row
@@ -115,6 +117,11 @@ class SamplingParams:
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(

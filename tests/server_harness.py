@@ -1,15 +1,19 @@
-"""Servers for the server tests: the app in-process (uvicorn on a free port, in a thread), metric scraping,
-and a small SSE reader."""
+"""Servers for the server tests: the app in-process (uvicorn on a free port, in a thread) or a real
+`specserve serve` process, metric scraping, and a small SSE reader."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -22,6 +26,7 @@ from specserve.server.launch import DrainingServer, uvicorn_config
 from specserve.server.limits import ServerLimits
 
 MODEL_NAME = "tiny"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -48,6 +53,7 @@ def running_server(
     limits: ServerLimits | None = None,
     max_pending_tokenization: int = 256,
     drain_timeout_s: float | None = None,
+    per_request_spec_decode_metrics: bool = False,
     **engine_args,
 ) -> Iterator[RunningServer]:
     """The app for a fresh engine on `model_dir`, served on 127.0.0.1 until the block exits; with
@@ -56,7 +62,10 @@ def running_server(
     limits = limits or ServerLimits()
     engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_args), speculative_config)
     async_engine = AsyncEngine(
-        engine, max_waiting=max_waiting, max_pending_tokenization=max_pending_tokenization
+        engine,
+        max_waiting=max_waiting,
+        max_pending_tokenization=max_pending_tokenization,
+        per_request_spec_decode_metrics=per_request_spec_decode_metrics,
     )
     app = build_app(async_engine, MODEL_NAME, api_key=api_key, limits=limits)
     sock = socket.socket()
@@ -103,3 +112,36 @@ def sse_payloads(lines: Iterator[str]) -> Iterator[dict | str]:
         if line.startswith("data: "):
             data = line.removeprefix("data: ")
             yield data if data == "[DONE]" else json.loads(data)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_process(model_dir, log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """(process, url) of `specserve serve model_dir *flags` launched as users launch it, once it answers
+    /health; its output goes to `log_path`. Killed after the block if still running."""
+    port = free_port()
+    command = [sys.executable, "-m", "specserve.cli", "serve", str(model_dir), "--port", str(port), *flags]
+    with open(log_path, "w") as log:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert server.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.ConnectError:
+            return False
+
+    try:
+        wait_until(healthy, timeout_s=120, what="the server to start")
+        yield server, url
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

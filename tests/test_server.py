@@ -313,6 +313,30 @@ def test_metrics_count_requests_tokens_latencies_and_speculation(model_dir):
         )
 
 
+def test_per_request_spec_decode_metrics_count_the_choices_drafts(model_dir, client):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    args = dict(model=MODEL_NAME, prompt=["abcabcabcabcabcabc", "xyzxyzxyzxyz"], max_tokens=24, **greedy())
+    with running_server(
+        model_dir, max_model_len=256, speculative_config=spec, per_request_spec_decode_metrics=True
+    ) as srv:
+        spec_client = make_client(srv.url)
+        usage = spec_client.completions.create(**args).usage.speculative_decoding
+        stats = srv.engine.spec_stats  # of these two choices alone, so far
+        assert stats.num_drafts > 0
+        assert usage == {
+            "num_drafts": stats.num_drafts,
+            "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": stats.accepted_per_position,
+            "mean_acceptance_length": pytest.approx(stats.mean_acceptance_length),
+        }
+        chunks = list(
+            spec_client.completions.create(stream=True, stream_options={"include_usage": True}, **args)
+        )
+        assert chunks[-1].usage.speculative_decoding == usage  # greedy: the same drafts again
+    assert client.completions.create(**args).usage.speculative_decoding is None  # off unless asked
+
+
 def test_metrics_expose_the_live_calibration_ece():
     from specserve.server.async_engine import EngineSnapshot
     from specserve.server.metrics import ServerMetrics

@@ -4,13 +4,8 @@ away mid-request, schemathesis against the server's own OpenAPI schema, and SIGT
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import hypothesis
@@ -19,10 +14,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, strategies
 
-from tests.server_harness import MODEL_NAME, running_server, sse_payloads, wait_until
+from tests.server_harness import MODEL_NAME, running_server, serve_process, sse_payloads, wait_until
 from tests.tiny_models import save_tiny_chat_model
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -156,31 +149,10 @@ def test_schemathesis_finds_no_server_errors_nor_schema_violations(model_dir):
         wait_until(lambda: srv.metric("specserve:kv_cache_used_blocks") == 0, what="KV freed")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_ends_streams_cleanly_and_exits_zero(model_dir, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    command = [sys.executable, "-m", "specserve.cli", "serve", str(model_dir), "--port", str(port)]
-    command += ["--max-model-len", "512", "--kv-cache-memory", "16MiB", "--shutdown-timeout", "1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-
-        def healthy() -> bool:
-            assert server.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.ConnectError:
-                return False
-
-        wait_until(healthy, timeout_s=120, what="the server to start")
+    flags = ["--max-model-len", "512", "--kv-cache-memory", "16MiB", "--shutdown-timeout", "1"]
+    with serve_process(model_dir, log_path, *flags) as (server, url):
         # One stream that can finish inside the one-second grace period, two that cannot.
         lengths = [8, 500, 500]
         events: list[list] = [[] for _ in lengths]
@@ -202,10 +174,6 @@ def test_sigterm_ends_streams_cleanly_and_exits_zero(model_dir, tmp_path):
         for thread in threads:
             thread.join(timeout=60)
         assert server.wait(timeout=60) == 0, log_path.read_text()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
     finish_reasons = []
     for stream_events in events:
         assert stream_events[-1] == "[DONE]"

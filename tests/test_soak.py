@@ -13,15 +13,12 @@ import collections
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from tests.server_harness import scrape, sse_payloads, wait_until
-from tests.test_server_load import REPO_ROOT, free_port
+from tests.server_harness import scrape, serve_process, sse_payloads, wait_until
 from tests.tiny_models import save_tiny_chat_model
 
 pytestmark = pytest.mark.slow
@@ -178,33 +175,10 @@ async def _payloads(reply: httpx.Response) -> list[dict | str]:
 
 def test_soak_loses_nothing_and_returns_to_baseline(tmp_path):
     model_dir = save_tiny_chat_model("qwen3", tmp_path / "model")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-    command = [sys.executable, "-m", "specserve.cli", "serve", str(model_dir), "--port", str(port)]
-    command += [
-        "--max-model-len",
-        "512",
-        "--kv-cache-memory",
-        "32MiB",
-        "--speculative-config",
-        json.dumps(spec),
-    ]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            command, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=log, stderr=subprocess.STDOUT
-        )
-    try:
-
-        def healthy() -> bool:
-            assert server.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.ConnectError:
-                return False
-
-        wait_until(healthy, timeout_s=120, what="the server to start")
+    flags = ["--max-model-len", "512", "--kv-cache-memory", "32MiB", "--speculative-config", json.dumps(spec)]
+    with serve_process(model_dir, log_path, *flags) as (server, url):
         reference = {}
         for prompt in GREEDY_PROMPTS:  # one at a time, before any load
             reply = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=60)
@@ -228,7 +202,6 @@ def test_soak_loses_nothing_and_returns_to_baseline(tmp_path):
             rss.append(rss_bytes(server.pid))
         halfway, after = rss
         metrics = scrape(url)
-    finally:
         server.terminate()
         exit_code = server.wait(timeout=60)
     latencies = sorted(soak.latencies)

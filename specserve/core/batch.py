@@ -37,6 +37,17 @@ class ScheduledPiece:
         """True when the piece covers the sequence's last token, so the step samples a new one."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def prompt_positions_to_score(self) -> range:
+        """Positions of this piece whose logits score the prompt token after them, for a request that asks
+        for prompt logprobs: those its sequence has not scored yet (a recompute after preemption scores
+        nothing twice). The last prompt position samples the first output token instead."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None:
+            return range(0)
+        end = min(self.start + self.num_tokens, len(seq.prompt_token_ids) - 1)
+        return range(max(self.start, len(seq.prompt_logprobs)), end)
+
 
 def verify_row_starts(num_drafts: Seq[int]) -> list[int]:
     """The first of each request's k + 1 consecutive verify rows (its anchor, then one row per draft)."""
@@ -50,7 +61,8 @@ def verify_row_starts(num_drafts: Seq[int]) -> list[int]:
 class StepLayout:
     """Where each piece's rows lie (vLLM's SpecDecodeMetadata). Piece i's tokens are rows
     `query_start[i]:query_start[i + 1]` of the flat batch. A piece that reaches its sequence's end samples:
-    its last k + 1 rows (the anchor and its k drafts) get logits, consecutive from `logit_start[i]`."""
+    its last k + 1 rows (the anchor and its k drafts) get logits, consecutive from `logit_start[i]`.
+    A prompt chunk of a request that asks for prompt logprobs scores rows `prompt_rows[i]` as well."""
 
     def __init__(self, pieces: Seq[ScheduledPiece]):
         self.num_tokens = [p.num_tokens for p in pieces]
@@ -67,6 +79,11 @@ class StepLayout:
             for i in self.sampled
             for row in range(self.query_start[i + 1] - self.num_drafts[i] - 1, self.query_start[i + 1])
         ]
+        self.prompt_rows: dict[int, range] = {}
+        for i, p in enumerate(pieces):
+            if scored := p.prompt_positions_to_score:
+                shift = self.query_start[i] - p.start  # a position of piece i + shift = its row
+                self.prompt_rows[i] = range(scored.start + shift, scored.stop + shift)
         self.plain = [i for i in self.sampled if not self.num_drafts[i]]
         self.verified = [i for i in self.sampled if self.num_drafts[i]]
 

@@ -56,6 +56,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
+    # Prompt logprobs scored so far (when asked for): entry p is the step of prompt token p + 1.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -32,6 +35,20 @@ class SpecStats:
             self.accepted_per_position[i] += 1
         for i in range(num_drafted):
             self.drafted_per_position[i] += 1
+
+    @classmethod
+    def total(cls, parts: Iterable[SpecStats]) -> SpecStats:
+        """The counters of several requests together (the choices of one HTTP request); of one, a copy
+        that its later rounds leave alone."""
+        out = cls()
+        for part in parts:
+            for f in dataclasses.fields(cls):
+                mine, theirs = getattr(out, f.name), getattr(part, f.name)
+                if isinstance(mine, list):  # per position: the longer list's length
+                    setattr(out, f.name, [a + b for a, b in itertools.zip_longest(mine, theirs, fillvalue=0)])
+                else:
+                    setattr(out, f.name, mine + theirs)
+        return out
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -2,8 +2,8 @@
 
 A step, stage by stage (docs/architecture.md draws it):
 propose (spec_decode/speculator.py) -> schedule (scheduler.py) -> forward (worker/model_runner.py) ->
-sample and verify (sampling.py) -> output (output_processor.py) -> commit (scheduler.py) -> the drafter
-learns from the step (speculator.py).
+sample and verify (sampling.py), and prompt logprobs where asked -> output (output_processor.py) ->
+commit (scheduler.py) -> the drafter learns from the step (speculator.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import time
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
-from specserve.core.batch import StepLayout
+from specserve.core.batch import ScheduledPiece, StepLayout
 from specserve.core.block_manager import BlockManager, PrefixStates, SlotPool
 from specserve.core.sequence import Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.input_processor import InputProcessor, PromptType
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
-from specserve.engine.sampling import StepSampler
+from specserve.engine.sampling import StepSampler, logprob_steps
 from specserve.engine.scheduler import Scheduler
 from specserve.models.generation_config import DEFAULT_MAX_MODEL_LEN, context_length, eos_token_ids
 from specserve.models.loader import load_model, resolve_model
@@ -185,6 +185,7 @@ class LLMEngine:
             forward.checkpoints, {i: layout.num_tokens[i] + results[i].num_accepted for i in layout.verified}
         )
         verify_s = time.perf_counter() - start
+        self._score_prompts(batch.pieces, layout, forward.hidden)
         updates = [
             update
             for piece, result in zip(batch.pieces, results)
@@ -198,3 +199,23 @@ class LLMEngine:
         if spec is not None:
             spec.update(plan, batch, layout, results, forward.captured, verify_s)
         return updates
+
+    def _score_prompts(self, pieces: list[ScheduledPiece], layout: StepLayout, hidden: torch.Tensor) -> None:
+        """Prompt logprobs: each prompt row this forward computed for a request that asks scores the next
+        prompt token; its step joins the sequence's `prompt_logprobs`. They come from the prefill forward
+        alone (never from drafts), chunk by chunk, and are raw, log_softmax of the model's logits (as
+        vLLM's): no logit_bias, penalty, temperature or truncation."""
+        if not layout.prompt_rows:
+            return
+        rows, targets = [], []
+        for i, piece_rows in layout.prompt_rows.items():
+            position = pieces[i].start + piece_rows.start - layout.query_start[i]  # of the piece's first row
+            rows += piece_rows
+            targets += pieces[i].seq.prompt_token_ids[position + 1 : position + 1 + len(piece_rows)]
+        num_top = max(pieces[i].seq.params.prompt_logprobs for i in layout.prompt_rows)
+        scored = self.runner.score(hidden, rows, targets, num_top)
+        at = 0
+        for i, piece_rows in layout.prompt_rows.items():
+            seq, scored_rows = pieces[i].seq, range(at, at + len(piece_rows))
+            seq.prompt_logprobs += logprob_steps(scored, scored_rows, seq.params.prompt_logprobs)
+            at += len(piece_rows)

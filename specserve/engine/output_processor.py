@@ -75,4 +75,6 @@ class OutputProcessor:
             metrics=seq.metrics,
             error=seq.error,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
+            spec_stats=seq.spec_stats,
         )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.core.sequence import RequestMetrics
+from specserve.core.spec_stats import SpecStats
 
 
 @dataclass
@@ -30,3 +31,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt
+    # token {token id: raw logprob}, the prompt's own token first, then the top k.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The request's speculative decoding so far (its sequence's own counters, live like `metrics`)
+    spec_stats: SpecStats = field(default_factory=SpecStats)

@@ -81,7 +81,7 @@ class StepSampler:
         out = sample(logits, batch, num_logprobs=max(wanted) if wanted else None)
         tokens = out.token_ids.tolist()
         return [
-            PieceResult([token], 0, _logprobs(out, [i], seq.params.logprobs))
+            PieceResult([token], 0, logprob_steps(out, [i], seq.params.logprobs))
             for i, (seq, token) in enumerate(zip(seqs, tokens))
         ]
 
@@ -115,12 +115,12 @@ class StepSampler:
         for r, (seq, tokens) in enumerate(zip(seqs, out.token_ids)):
             rows = range(first[r], first[r] + len(tokens)) if r in first else []
             results.append(
-                PieceResult(tokens, out.num_accepted[r], _logprobs(scored, rows, seq.params.logprobs))
+                PieceResult(tokens, out.num_accepted[r], logprob_steps(scored, rows, seq.params.logprobs))
             )
         return results
 
 
-def _logprobs(scored: SampleOutput | None, rows, num_top: int | None) -> list[dict] | None:
+def logprob_steps(scored: SampleOutput | None, rows, num_top: int | None) -> list[dict] | None:
     """One {token: logprob} per row of `scored` (the chosen token first, then the top `num_top`), or None
     when the request asked for none."""
     if num_top is None:

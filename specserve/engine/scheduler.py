@@ -127,9 +127,14 @@ class Scheduler:
         return min(n, (start // interval + 1) * interval - start)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks `seq` may start from (it is waiting, with nothing computed)."""
+        """The cached blocks `seq` may start from (it is waiting, with nothing computed). Cached tokens get
+        no logits, so a request that asks for prompt logprobs takes none past the prompt it has scored
+        (none at first; after a preemption, what it scored before)."""
         bm = self.block_manager
-        cached = bm.match(seq.all_token_ids, seq.num_tokens - 1) if bm.enable_prefix_caching else []
+        limit = seq.num_tokens - 1
+        if seq.params.prompt_logprobs is not None:
+            limit = min(limit, len(seq.prompt_logprobs))
+        cached = bm.match(seq.all_token_ids, limit) if bm.enable_prefix_caching else []
         if cached and self.drafter_prefix is not None:
             usable = self.drafter_prefix.cached_prefix_len(seq, len(cached) * bm.block_size)
             cached = cached[: usable // bm.block_size]

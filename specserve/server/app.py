@@ -1,10 +1,11 @@
 """The FastAPI application: OpenAI routes, health and metrics, API-key check, and OpenAI-style errors.
 
-Every error a client can cause answers with an OpenAI error body naming the problem: bad JSON, wrong
-types, out-of-range values, invalid prompts and requests over the limits are 400, a missing or wrong API
-key 401, an unknown model or route 404, a known route with the wrong method 405, a body that does not
-arrive within the read timeout 408, a body over the size limit 413, a full queue 429 (with Retry-After), a
-draining server 503 (with Retry-After), and an engine failure inside one request 500 for that request only.
+Every error a client can cause answers with an OpenAI error body naming the problem (and, in `param`, the
+field): bad JSON, wrong types, out-of-range values, fields the server does not implement, invalid prompts
+and tools, and requests over the limits are 400, a missing or wrong API key 401, an unknown model or route
+404, a known route with the wrong method 405, a body that does not arrive within the read timeout 408, a
+body over the size limit 413, a full queue 429 (with Retry-After), a draining server 503 (with
+Retry-After), and an engine failure inside one request 500 for that request only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve.config import SpecserveError
 from specserve.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
-from specserve.server.generation import ChatGeneration, CompletionGeneration, Generation
+from specserve.server.generation import ChatGeneration, CompletionGeneration
 from specserve.server.limits import RequestBodyLimit, ServerLimits, special_token_pattern
 from specserve.server.metrics import ServerMetrics, outcome_of_status
 from specserve.server.protocol import (
@@ -37,6 +38,7 @@ from specserve.server.protocol import (
     ModelList,
 )
 from specserve.server.serving import serve_generation
+from specserve.server.tool_calls import tool_format_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +69,14 @@ _STREAM_DOC = {
 }
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
     error = ErrorInfo(
-        message=message, type=ERROR_TYPES.get(status, "internal_server_error"), code=ERROR_CODES.get(status)
+        message=message,
+        type=ERROR_TYPES.get(status, "internal_server_error"),
+        param=param,
+        code=ERROR_CODES.get(status),
     )
     return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=status, headers=headers)
 
@@ -82,6 +89,7 @@ def build_app(
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     tokenizer = async_engine.engine.tokenizer
     special_tokens = special_token_pattern(tokenizer) if limits.reject_special_tokens_in_content else None
+    tool_format = tool_format_of(tokenizer, async_engine.engine.model_config.model_type)
     started = int(time.time())
 
     @asynccontextmanager
@@ -115,24 +123,19 @@ def build_app(
         if model is not None and model != model_name:
             raise HTTPException(404, f"model {model!r} is not served here; this server serves {model_name!r}")
 
-    async def generate(generation: Generation, request: Request) -> Response:
-        if generation.body.model_extra:
-            names = sorted(ascii(name) for name in generation.body.model_extra)
-            logger.info("%s: ignoring unsupported fields %s", generation.id, ", ".join(names))
-        return await serve_generation(generation, async_engine, request, metrics)
-
     v1 = APIRouter(prefix="/v1", responses=_ERROR_DOCS)
 
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAM_DOC})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await generate(CompletionGeneration(body, model_name, tokenizer, limits), request)
+        generation = CompletionGeneration(body, model_name, tokenizer, limits)
+        return await serve_generation(generation, async_engine, request, metrics)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAM_DOC})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        generation = ChatGeneration(body, model_name, tokenizer, limits, special_tokens)
-        return await generate(generation, request)
+        generation = ChatGeneration(body, model_name, tokenizer, limits, special_tokens, tool_format)
+        return await serve_generation(generation, async_engine, request, metrics)
 
     @v1.get("/models")
     async def list_models() -> ModelList:
@@ -158,20 +161,26 @@ def build_app(
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     def fail(
-        request: Request, status: int, message: str, headers: dict | None = None, counted: bool = False
+        request: Request,
+        status: int,
+        message: str,
+        headers: dict | None = None,
+        counted: bool = False,
+        param: str | None = None,
     ) -> JSONResponse:
         if request.url.path.startswith("/v1/") and not counted:
             metrics.count(outcome_of_status(status))
         logger.info("%s %s -> %d: %s", request.method, request.url.path, status, message)
-        return error_response(status, message, headers)
+        return error_response(status, message, headers, param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return fail(request, 400, _describe_validation_errors(exc))
+        message, param = _describe_validation_errors(exc)
+        return fail(request, 400, message, param=param)
 
     @app.exception_handler(SpecserveError)
     async def invalid_arguments(request: Request, exc: SpecserveError) -> JSONResponse:
-        return fail(request, 400, str(exc))
+        return fail(request, 400, str(exc), param=getattr(exc, "param", None))  # RequestFieldError's
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -204,8 +213,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 _NOT_FIELDS = {"body", "str", "int", "float", "bool"}
 
 
-def _describe_validation_errors(exc: RequestValidationError) -> str:
-    """'temperature: Input should be less than or equal to 2; ...', one clause per field."""
+def _describe_validation_errors(exc: RequestValidationError) -> tuple[str, str | None]:
+    """('temperature: Input should be less than or equal to 2; ...', one clause per field; the first
+    field, as the error's `param`)."""
     by_field: dict[str, list[dict]] = {}
     for error in exc.errors():
         # Drop the body's own location and the names pydantic gives union members ('str', 'list[...]').
@@ -222,7 +232,7 @@ def _describe_validation_errors(exc: RequestValidationError) -> str:
         specific = [e for e in errors if not e["type"].endswith("_type")] or errors
         messages = list(dict.fromkeys(_message(e, field) for e in specific))
         clauses.append(f"{field}: {' or '.join(messages)}" if field else "; ".join(messages))
-    return "; ".join(clauses) or "invalid request"
+    return "; ".join(clauses) or "invalid request", next(iter(by_field), None) or None
 
 
 def _message(error: dict, field: str) -> str:
@@ -230,6 +240,8 @@ def _message(error: dict, field: str) -> str:
         return f"the body is not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
     if not field and error["type"] in ("model_attributes_type", "dict_type"):
         return "the body must be a JSON object, sent with Content-Type: application/json"
+    if error["type"] == "extra_forbidden":
+        return "this server does not implement this field (see /openapi.json)"
     return error["msg"]
 
 

@@ -72,6 +72,9 @@ class EngineUpdate:
     finished: bool
     num_drafts: int  # this choice's verification rounds and accepted draft tokens so far
     num_accepted_tokens: int
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked for (echo with logprobs)
+    spec_stats: SpecStats | None = None  # a copy of the choice's, with per-request spec decode metrics
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,8 @@ class AsyncEngine:
 
     At most `max_num_seqs + max_waiting` choices are in flight; beyond that `submit` raises
     EngineOverloaded. `log_stats_interval_s` spaces the periodic engine-stats log lines.
+    `per_request_spec_decode_metrics`: each update carries its choice's speculative counters (for the
+    response's usage).
     """
 
     def __init__(
@@ -188,8 +193,10 @@ class AsyncEngine:
         log_stats_interval_s: float = 10.0,
         tokenizer_workers: int = 2,
         max_pending_tokenization: int = 256,
+        per_request_spec_decode_metrics: bool = False,
     ):
         self.engine = engine
+        self.per_request_spec_decode_metrics = per_request_spec_decode_metrics
         self.capacity = engine.config.max_num_seqs + max_waiting
         # HTTP requests being (or waiting to be) tokenized, at most `max_pending_tokenization`; more get 429.
         self.max_pending_tokenization = max_pending_tokenization
@@ -394,6 +401,8 @@ class AsyncEngine:
             del self._live[output.request_id]
         completion = output.outputs[0]
         self._stats_window.generated_tokens += len(completion.delta_token_ids or [])
+        # A copy (total of one): this thread goes on counting while the handler reads it.
+        spec_stats = SpecStats.total([output.spec_stats]) if self.per_request_spec_decode_metrics else None
         live.stream.push(
             EngineUpdate(
                 index=live.index,
@@ -404,6 +413,9 @@ class AsyncEngine:
                 finished=output.finished,
                 num_drafts=live.seq.spec_stats.num_drafts,
                 num_accepted_tokens=live.seq.spec_stats.num_accepted_tokens,
+                prompt_token_ids=output.prompt_token_ids,
+                prompt_logprobs=output.prompt_logprobs,
+                spec_stats=spec_stats,
             )
         )
 

@@ -25,6 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
     )
     srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between engine stats")
+    srv.add_argument(
+        "--per-request-spec-decode-metrics",
+        action="store_true",
+        help="each response's usage.speculative_decoding: its drafts, draft tokens, accepted tokens (in all "
+        "and per position) and mean acceptance length",
+    )
     limits = srv.add_argument_group("request limits and timeouts")
     limits.add_argument(
         "--max-request-body-bytes",
@@ -85,5 +91,6 @@ def _serve(args: argparse.Namespace) -> int:
         log_stats_interval_s=args.log_stats_interval,
         limits=limits,
         tokenizer_workers=args.tokenizer_workers,
+        per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
         **engine_kwargs(args),
     )

@@ -8,13 +8,16 @@ request gives the same text whether it asks for one choice or many.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import time
 import uuid
 
 from pydantic import BaseModel
 
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import SamplingParams, SpecserveError, StructuredOutputsParams
+from specserve.core.spec_stats import SpecStats
 from specserve.engine.engine import PromptType
 from specserve.server.async_engine import EngineRequest, EngineUpdate
 from specserve.server.limits import ServerLimits
@@ -31,9 +34,14 @@ from specserve.server.protocol import (
     CompletionResponse,
     Delta,
     PromptTokensDetails,
+    RequestFieldError,
     SamplingFields,
+    SpecDecodeUsage,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
+from specserve.server.tool_calls import ToolCallParser, ToolFormat, ToolUse, check_parameters
 
 
 def sampling_params(
@@ -87,6 +95,16 @@ def output_constraint(body: SamplingFields) -> dict | None:
     return {"json": fmt.json_schema.schema_}
 
 
+def spec_decode_usage(stats: SpecStats) -> SpecDecodeUsage:
+    return SpecDecodeUsage(
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_accepted_tokens_per_pos=stats.accepted_per_position,
+        mean_acceptance_length=stats.mean_acceptance_length,
+    )
+
+
 def finish_reason(reason: str | None) -> str | None:
     """The engine's finish reason as an OpenAI value: "abort" (the server cut the request short at its
     shutdown deadline) is not one, and clients that type the field reject it; "length" says what a client
@@ -126,11 +144,13 @@ class Generation:
         firsts = [u for i, u in self.latest.items() if i % self.body.n == 0]
         prompt = sum(u.num_prompt_tokens for u in firsts)
         completion = sum(len(u.output.token_ids) for u in self.latest.values())
+        spec = [u.spec_stats for u in self.latest.values() if u.spec_stats is not None]
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(u.num_cached_tokens for u in firsts)),
+            speculative_decoding=spec_decode_usage(SpecStats.total(spec)) if spec else None,
         )
 
     def opening_chunks(self) -> list[BaseModel]:
@@ -151,6 +171,9 @@ class Generation:
 
 
 class CompletionGeneration(Generation):
+    """With `echo`, each choice's text (and its logprobs, when asked) starts with its prompt's: the prompt
+    tokens' logprobs are the engine's prompt logprobs, null for the first token."""
+
     id_prefix = "cmpl"
 
     def __init__(
@@ -158,7 +181,10 @@ class CompletionGeneration(Generation):
     ):
         super().__init__(body, model_name, tokenizer, limits)
         self.body: CompletionRequest = body
+        self._tokenizer = tokenizer
         self._streamed_chars: dict[int, int] = {}  # per choice, for stream logprobs' text offsets
+        if body.max_tokens == 0 and not body.echo:
+            raise SpecserveError("max_tokens: 0 needs echo: true (it asks for the prompt alone)")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             num_ids = len(prompt) if isinstance(prompt[0], int) else sum(len(p) for p in prompt)
@@ -167,53 +193,83 @@ class CompletionGeneration(Generation):
                     f"prompt: at most {self.limits.max_prompt_token_ids} token ids per request, got {num_ids}"
                 )
 
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs alone. The engine still samples one token (a
+        step always does); the answer leaves it out, as vLLM's does."""
+        return self.body.echo and self.body.max_tokens == 0
+
     def prompts(self) -> list[PromptType]:
         prompt = self.body.prompt
         if isinstance(prompt, str) or isinstance(prompt[0], int):
             return [prompt]
         return list(prompt)
 
+    def _prompt_text(self, i: int) -> str:
+        """Prompt i as echoed: its text, or its token ids decoded (no text without a tokenizer)."""
+        prompt = self.prompts()[i]
+        if isinstance(prompt, str):
+            return prompt
+        return self._tokenizer.decode(prompt) if self._tokenizer is not None else ""
+
+    def _params(self, choice: int) -> SamplingParams:
+        max_tokens = 1 if self.echo_only else self.body.max_tokens
+        params = sampling_params(self.body, max_tokens, self.body.logprobs, choice)
+        if self.body.echo and self.body.logprobs is not None:  # echoed prompt tokens have logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=self.body.logprobs)
+        return params
+
     def engine_requests(self) -> list[EngineRequest]:
         # Absent, max_tokens is OpenAI's 16, clamped to the room the prompt leaves; given, it must fit.
         strict = "max_tokens" in self.body.model_fields_set
         return [
-            EngineRequest(
-                prompt, sampling_params(self.body, self.body.max_tokens, self.body.logprobs, j), strict
-            )
+            EngineRequest(prompt, self._params(j), strict)
             for prompt in self.prompts()
             for j in range(self.body.n)
         ]
 
-    def _logprobs(self, token_ids, steps, offset):
-        if self.body.logprobs is None:
-            return None
-        return completion_logprobs(self.text_of, token_ids, steps, self.body.logprobs, offset)
+    def _choice(
+        self, update: EngineUpdate, text: str, token_ids: list[int], steps: list, offset: int, echo: bool
+    ) -> CompletionChoice:
+        """A choice from its text, tokens and logprob steps (all of them, or those an update added; the
+        text from `offset` in the choice's), after its prompt's when `echo`."""
+        reason = update.output.finish_reason
+        if self.echo_only:  # ends at its limit, whatever token the engine sampled
+            text, token_ids, steps, reason = "", [], [], ("length" if update.finished else None)
+        if echo:
+            text = self._prompt_text(update.index // self.body.n) + text
+            token_ids = update.prompt_token_ids + token_ids
+            steps = (update.prompt_logprobs or []) + steps
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = completion_logprobs(self.text_of, token_ids, steps, self.body.logprobs, offset)
+        return CompletionChoice(
+            index=update.index, text=text, logprobs=logprobs, finish_reason=finish_reason(reason)
+        )
 
     def chunks(self, update: EngineUpdate) -> list[BaseModel]:
-        if not self._worth_sending(update):
+        echo = self.body.echo and update.index not in self._streamed_chars  # the first chunk echoes
+        if not (echo or self._worth_sending(update)):
             return []
         offset = self._streamed_chars.get(update.index, 0)
-        self._streamed_chars[update.index] = offset + len(update.output.delta_text)
-        choice = CompletionChoice(
-            index=update.index,
-            text=update.output.delta_text,
-            logprobs=self._logprobs(*self._new_tokens(update), offset),
-            finish_reason=finish_reason(update.output.finish_reason),
-        )
+        new_tokens, new_steps = self._new_tokens(update)
+        choice = self._choice(update, update.output.delta_text, new_tokens, new_steps, offset, echo)
+        self._streamed_chars[update.index] = offset + len(choice.text)
         return [self._response([choice], usage=None)]
+
+    def usage(self) -> Usage:
+        usage = super().usage()
+        if self.echo_only:  # the token the engine had to sample is no part of the answer
+            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+        return usage
 
     def usage_chunk(self) -> BaseModel:
         return self._response([], usage=self.usage())
 
     def response(self) -> BaseModel:
         choices = [
-            CompletionChoice(
-                index=i,
-                text=u.output.text,
-                logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or [], 0),
-                finish_reason=finish_reason(u.output.finish_reason),
-            )
-            for i, u in sorted(self.latest.items())
+            self._choice(u, u.output.text, u.output.token_ids, u.output.logprobs or [], 0, self.body.echo)
+            for _, u in sorted(self.latest.items())
         ]
         return self._response(choices, usage=self.usage())
 
@@ -233,8 +289,10 @@ class ChatGeneration(Generation):
         tokenizer,
         limits: ServerLimits | None = None,
         special_tokens: re.Pattern | None = None,
+        tool_format: ToolFormat | None = None,
     ):
-        """`special_tokens`, when given, matches the control tokens that message content may not hold."""
+        """`special_tokens`, when given, matches the control tokens that message content may not hold;
+        `tool_format` is how the model writes tool calls (`tool_format_of`), None when it has none."""
         super().__init__(body, model_name, tokenizer, limits)
         self.body: ChatCompletionRequest = body
         self._tokenizer = tokenizer
@@ -245,33 +303,62 @@ class ChatGeneration(Generation):
             raise SpecserveError(
                 f"messages: at most {self.limits.max_messages} messages per request, got {len(body.messages)}"
             )
+        self.tools = ToolUse(body, tool_format)
+        if self.tools.forced and output_constraint(body) is not None:
+            raise RequestFieldError(
+                "tool_choice",
+                "a required or named tool call constrains the output itself; it cannot be "
+                "combined with response_format or structured_outputs",
+            )
+        self._parsers: dict[int, ToolCallParser] = {}  # per streamed choice
 
     @property
     def num_top_logprobs(self) -> int | None:
         return (self.body.top_logprobs or 0) if self.body.logprobs else None
 
-    def messages(self) -> list[dict[str, str]]:
-        return [
-            {
-                "role": m.role,
-                "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
-            }
-            for m in self.body.messages
-        ]
+    def messages(self) -> list[dict]:
+        """The messages as templates take them: text content, and the arguments of calls as objects."""
+        messages = []
+        for i, m in enumerate(self.body.messages):
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            message = {"role": m.role, "content": content}
+            message.update(m.model_dump(include={"name", "tool_call_id"}, exclude_none=True))
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": c.type,
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": _json_object(
+                                c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+                            ),
+                        },
+                    }
+                    for j, c in enumerate(m.tool_calls)
+                ]
+            messages.append(message)
+        return messages
 
     def _check_special_tokens(self) -> None:
         for i, message in enumerate(self.body.messages):
-            parts = (
-                [(f"messages.{i}.content", message.content)]
-                if isinstance(message.content, str)
-                else [(f"messages.{i}.content.{j}.text", part.text) for j, part in enumerate(message.content)]
-            )
+            if isinstance(message.content, str):
+                parts = [(f"messages.{i}.content", message.content)]
+            else:
+                parts = [
+                    (f"messages.{i}.content.{j}.text", p.text) for j, p in enumerate(message.content or [])
+                ]
+            parts += [
+                (f"messages.{i}.tool_calls.{j}.function.arguments", call.function.arguments)
+                for j, call in enumerate(message.tool_calls or [])
+            ]
             for field, text in parts:
                 found = self._special_tokens.search(text)
                 if found:
-                    raise SpecserveError(
-                        f"{field}: holds the special token {found.group()!r}, which this server does not "
-                        "accept in message content (--reject-special-tokens-in-content)"
+                    raise RequestFieldError(
+                        field,
+                        f"holds the special token {found.group()!r}, which this server does not "
+                        "accept in message content (--reject-special-tokens-in-content)",
                     )
 
     def prompt_token_ids(self) -> dict[str, list[int]]:
@@ -281,7 +368,11 @@ class ChatGeneration(Generation):
             raise SpecserveError("this model has no chat template; use /v1/completions")
         if self._special_tokens is not None:
             self._check_special_tokens()
-        text = tokenizer.apply_chat_template(self.messages(), add_generation_prompt=True, tokenize=False)
+        check_parameters(self.tools.given)
+        messages, tools = self.tools.conversation(self.messages())
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         # The template writes the special tokens itself; adding them again would double a BOS.
         return {"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
@@ -290,15 +381,33 @@ class ChatGeneration(Generation):
         source = self.prompt_token_ids  # one object, so the choices share one rendering
         # Absent, max_tokens means "up to the context"; given, it must fit beside the prompt.
         strict = max_tokens is not None
-        return [
-            EngineRequest(source, sampling_params(self.body, max_tokens, self.num_top_logprobs, j), strict)
-            for j in range(self.body.n)
-        ]
+        grammar = self.tools.grammar(self._tokenizer)
+        requests = []
+        for j in range(self.body.n):
+            params = sampling_params(self.body, max_tokens, self.num_top_logprobs, j)
+            if grammar is not None:
+                constraint = StructuredOutputsParams(grammar=grammar)
+                params = dataclasses.replace(params, structured_outputs=constraint)
+            requests.append(EngineRequest(source, params, strict))
+        return requests
 
     def _logprobs(self, token_ids, steps):
         if self.num_top_logprobs is None:
             return None
         return chat_logprobs(self.text_of, token_ids, steps, self.num_top_logprobs)
+
+    @staticmethod
+    def _reply(parser: ToolCallParser | None, text: str, final: bool) -> tuple[str | None, list[ToolCall]]:
+        """The content and the tool calls of (the next piece of) a reply; content is None beside calls
+        when there is none."""
+        content, calls = parser.feed(text, final) if parser is not None else (text, [])
+        return (content if content or not calls else None), calls
+
+    @staticmethod
+    def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+        # A reply cut short (length) says so even if it made calls: the last one may be missing.
+        called = parser is not None and parser.num_calls > 0
+        return "tool_calls" if called and reason == "stop" else finish_reason(reason)
 
     def opening_chunks(self) -> list[BaseModel]:
         return [
@@ -307,13 +416,19 @@ class ChatGeneration(Generation):
         ]
 
     def chunks(self, update: EngineUpdate) -> list[BaseModel]:
-        if not self._worth_sending(update):
-            return []
+        if update.index not in self._parsers:
+            self._parsers[update.index] = self.tools.parser()
+        parser = self._parsers[update.index]
+        content, calls = self._reply(parser, update.output.delta_text, update.finished)
+        if not (content or calls or update.finished or update.output.logprobs is not None):
+            return []  # nothing yet: held back as a stop string's or a tool call's possible start
+        first = parser.num_calls - len(calls) if parser is not None else 0
+        deltas = [ToolCallDelta(index=first + k, **call.model_dump()) for k, call in enumerate(calls)]
         choice = ChatChunkChoice(
             index=update.index,
-            delta=Delta(content=update.output.delta_text),
+            delta=Delta(content=content, tool_calls=deltas or None),
             logprobs=self._logprobs(*self._new_tokens(update)),
-            finish_reason=finish_reason(update.output.finish_reason),
+            finish_reason=self._finish_reason(update.output.finish_reason, parser),
         )
         return [self._chunk([choice])]
 
@@ -321,15 +436,18 @@ class ChatGeneration(Generation):
         return self._chunk([], usage=self.usage())
 
     def response(self) -> BaseModel:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=u.output.text),
-                logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or []),
-                finish_reason=finish_reason(u.output.finish_reason),
+        choices = []
+        for i, u in sorted(self.latest.items()):
+            parser = self.tools.parser()
+            content, calls = self._reply(parser, u.output.text, final=True)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=self._logprobs(u.output.token_ids, u.output.logprobs or []),
+                    finish_reason=self._finish_reason(u.output.finish_reason, parser),
+                )
             )
-            for i, u in sorted(self.latest.items())
-        ]
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model_name, choices=choices, usage=self.usage()
         )
@@ -338,3 +456,14 @@ class ChatGeneration(Generation):
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage
         )
+
+
+def _json_object(text: str, field: str) -> dict:
+    """A call's arguments, sent as JSON text, as the object templates render."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestFieldError(field, f"not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise RequestFieldError(field, "must be a JSON object")
+    return value

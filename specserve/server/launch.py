@@ -83,6 +83,7 @@ def serve(
     log_stats_interval_s: float = 10.0,
     limits: ServerLimits | None = None,
     tokenizer_workers: int = 2,
+    per_request_spec_decode_metrics: bool = False,
     **engine_args,
 ) -> int:
     """Serve `model` until SIGTERM or Ctrl-C; returns the exit status. `engine_args` go to EngineConfig."""
@@ -95,6 +96,7 @@ def serve(
         max_waiting=max_waiting,
         log_stats_interval_s=log_stats_interval_s,
         tokenizer_workers=tokenizer_workers,
+        per_request_spec_decode_metrics=per_request_spec_decode_metrics,
     )
     app = build_app(async_engine, served_model_name or model, api_key=api_key, limits=limits)
     config = uvicorn_config(

@@ -1,9 +1,10 @@
 """Engine log-probabilities in the two OpenAI shapes: chat's per-token objects and completions' columns.
 
-The engine gives, per generated token, a dict {token id: raw logprob} holding the sampled token and the
-top-k alternatives (the sampled one may be among them). Token strings come from the tokenizer's `decode`,
-which only reads the tokenizer, so it is safe here beside the engine thread; models without a tokenizer
-show ids as "token_id:<id>", as vLLM does (and so does any request with `return_tokens_as_token_ids`).
+The engine gives, per generated token (and per prompt token, for an echoed prompt), a dict {token id:
+logprob} holding that token and the top-k alternatives (it may be among them). Token strings come from the
+tokenizer's `decode`, which only reads the tokenizer, so it is safe here beside the engine thread; models
+without a tokenizer show ids as "token_id:<id>", as vLLM does (and so does any request with
+`return_tokens_as_token_ids`).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], steps: list[Step], k
 
 
 def completion_logprobs(
-    text_of: TokenText, token_ids: list[int], steps: list[Step], k: int, text_offset: int
+    text_of: TokenText, token_ids: list[int], steps: list[Step | None], k: int, text_offset: int
 ) -> CompletionLogprobs:
-    """`text_offset` is where the first of these tokens starts in the completion text."""
+    """`text_offset` is where the first of these tokens starts in the choice's text. A step is None for an
+    echoed prompt's first token (nothing comes before it): its logprob and top entry are null."""
     tokens = [text_of(t) for t in token_ids]
     offsets = []
     for token in tokens:
@@ -57,6 +59,9 @@ def completion_logprobs(
         text_offset += len(token)
     top_logprobs = []
     for token, step in zip(token_ids, steps):
+        if step is None:
+            top_logprobs.append(None)
+            continue
         # OpenAI's legacy semantics: the k likeliest tokens and always the sampled one (up to k + 1
         # entries; with logprobs 0, just the sampled token).
         top: dict[str, float] = {}
@@ -66,7 +71,7 @@ def completion_logprobs(
         top_logprobs.append(top)
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[step[t] for t, step in zip(token_ids, steps)],
+        token_logprobs=[None if step is None else step[t] for t, step in zip(token_ids, steps)],
         top_logprobs=top_logprobs,
         text_offset=offsets,
     )

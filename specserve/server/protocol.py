@@ -3,15 +3,18 @@
 Names, defaults and ranges follow the OpenAI API, so the official client works unchanged; `top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` and `return_tokens_as_token_ids` are vLLM's
 extensions. Requests are validated strictly (a string where a number belongs is an error, not a
-conversion). Fields the server does not know are accepted and ignored, as clients send many the engine
-has no use for; the app logs their names.
+conversion), and a field the server does not implement is a 400 naming it, at any depth: nothing a client
+asks for is silently ignored. The exceptions are `NoOpFields`, which change nothing by definition.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from specserve.config import SpecserveError
 
 MAX_CHOICES = 128  # `n` above this is surely a mistake; each choice is one engine request
 MAX_LOGPROBS = 20  # the engine returns at most 20 alternatives per token
@@ -45,12 +48,21 @@ def _valid_unicode(value: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 # OpenAI's values only (its clients type them as a Literal); an aborted request reports "length".
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 NonEmptyStr = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = integer(ge=0)
 
 
+class RequestFieldError(SpecserveError):
+    """A 400 about one field of the request: the message starts with the field, and `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -69,7 +81,19 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(_Request):
+class NoOpFields(_Request):
+    """OpenAI fields that cannot change what a server answers, so they are accepted and do nothing here
+    (every other field this server does not implement is a 400)."""
+
+    user: Text | None = Field(None, description="an end user's id, for the provider's abuse monitoring")
+    safety_identifier: Text | None = Field(None, description="the same, under its newer name")
+    metadata: dict[Text, Text] | None = Field(None, description="tags for stored completions")
+    store: bool | None = Field(None, description="whether the provider keeps the completion: never here")
+    service_tier: Text | None = Field(None, description="the provider's pricing and latency tier")
+    prompt_cache_key: Text | None = Field(None, description="a cache-routing hint; prefix caching needs none")
+
+
+class SamplingFields(NoOpFields):
     """Everything both generation endpoints share: the model, how many choices, and how to sample."""
 
     model: Text | None = Field(None, description="must name the served model when given")
@@ -89,7 +113,6 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = Field(False, description="logprob tokens as 'token_id:<id>'")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Text | None = None
     response_format: ResponseFormat | None = None
     # vLLM's: {"json": schema} | {"json_object": true} | {"regex": ...} | {"choice": [...]} | {"grammar": ...}
     structured_outputs: dict | None = None
@@ -105,8 +128,9 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     ) = Field(description="a string, a list of strings, a list of token ids, or a list of those")
-    max_tokens: integer(ge=1) | None = 16
+    max_tokens: integer(ge=0) | None = Field(16, description="0 only with echo: the prompt alone")
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: bool = Field(False, description="the prompt before each choice's text (and in its logprobs)")
 
 
 class TextPart(_Request):
@@ -114,9 +138,57 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = Field(None, description="the JSON schema of the arguments (an object)")
+    # Calls forced by tool_choice follow the schema whatever it says; under "auto" nothing enforces it.
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallParam(_Request):
+    name: Text
+    arguments: Text = Field(description="JSON text, as the server sent it")
+
+
+class ToolCallParam(_Request):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = Field(None, description="null only for an assistant's tool calls")
+    name: Text | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant's")
+    tool_call_id: Text | None = Field(None, description="a tool's: the call it answers")
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                "content_missing", "content is required unless an assistant calls tools"
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only an assistant's message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("tool_call_id_missing", "a tool's message needs a tool_call_id")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -125,6 +197,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" when tools are given, else "none"'
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply")
 
 
 # ---- responses ------------------------------------------------------------------------------------------
@@ -132,17 +209,29 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
+class SpecDecodeUsage(BaseModel):
+    """The speculative decoding of a response's choices together (`--per-request-spec-decode-metrics`),
+    named as the /metrics counters."""
+
+    num_drafts: int  # verification rounds that checked at least one draft token
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]  # position i: rounds that accepted draft i + 1
+    mean_acceptance_length: float  # tokens committed per round, the bonus token included
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    speculative_decoding: SpecDecodeUsage | None = None  # with --per-request-spec-decode-metrics
 
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token: nothing comes before it
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -176,16 +265,32 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int  # of the call in the choice's reply; a stream sends each call whole, once it is complete
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the reply is tool calls alone
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -200,13 +305,14 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

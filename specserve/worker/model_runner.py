@@ -16,7 +16,11 @@ import torch
 from specserve.config import EngineConfig, SpecserveError
 from specserve.layers.attention import AttentionMetadata, KVCache
 from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec, StateCheckpoints
+from specserve.layers.sampler import SampleOutput, raw_logprobs
 from specserve.models.base import CausalLM, LayerCacheSpec
+
+# Rows the LM head scores at once for prompt logprobs: a long prompt chunk never holds rows x vocab logits.
+SCORE_ROWS_PER_CALL = 256
 
 
 @dataclass
@@ -137,6 +141,25 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden[torch.tensor(list(logit_rows), dtype=torch.long)])
         return ForwardOutput(logits=logits, hidden=hidden, captured=captured, checkpoints=checkpoints)
+
+    @torch.inference_mode()
+    def score(self, hidden: torch.Tensor, rows: Seq[int], token_ids: Seq[int], num_top: int) -> SampleOutput:
+        """Raw logprobs (log_softmax of the model's logits) of `token_ids` at `rows` of a forward's hidden
+        states, and each row's top `num_top`."""
+        logprobs, top_ids, top_values = [], [], []
+        for at in range(0, len(rows), SCORE_ROWS_PER_CALL):
+            index = torch.tensor(rows[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long)
+            tokens = torch.tensor(token_ids[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long)
+            scored = raw_logprobs(self.model.compute_logits(hidden[index]), tokens, num_top)
+            logprobs.append(scored.logprobs)
+            if num_top:
+                top_ids.append(scored.top_logprobs[0])
+                top_values.append(scored.top_logprobs[1])
+        return SampleOutput(
+            token_ids=torch.tensor(token_ids, dtype=torch.long),
+            logprobs=torch.cat(logprobs),
+            top_logprobs=(torch.cat(top_ids), torch.cat(top_values)) if num_top else None,
+        )
 
     def save_states(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one slot's recurrent state in every linear-attention layer."""
