@@ -3,11 +3,15 @@ import os
 import pytest
 import torch
 
+from specserve.layers import kernels
 from tests.tiny_models import save_tiny_model
 
 torch.set_num_threads(2)
 # dtype="auto" is bf16 on CPUs with native bf16; the suite's references are fp32 (servers it starts too).
 os.environ.setdefault("SPECSERVE_AUTO_DTYPE", "float32")
+# Build (or load) the compiled kernels now, under the real cache directory: tests that point
+# SPECSERVE_CACHE at a temporary one would otherwise build them there. SPECSERVE_NO_KERNELS=1 skips it.
+kernels.load_ops()
 
 
 @pytest.fixture(scope="session")

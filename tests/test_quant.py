@@ -18,6 +18,7 @@ from torch import nn
 from specserve import LLM, SamplingParams, SpecserveError
 from specserve.cli import build_parser
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.layers import kernels
 from specserve.layers.linear import PackedLinear, pack_linears
 from specserve.layers.quant import (
     COMPUTE_DTYPE,
@@ -39,6 +40,8 @@ from tests.test_loader import gguf_writer, write_tiny_gguf
 from tests.tiny_models import VOCAB, build_reference, save_tiny_drafter
 
 MODES = ["int8", "int4"]
+# Layers run on specserve's kernel where it is built, else on torch's; both are tested where both exist.
+USE_KERNEL = [pytest.param(False, id="torch")] + ([pytest.param(True, id="kernel")] if kernels.ops() else [])
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
@@ -72,44 +75,76 @@ def test_int4_round_trip_is_within_half_a_step(group_size):
     assert err.mean() < 0.3 * scales.float().mean()
 
 
-def test_int8_residual_plane_resolves_the_coarse_step():
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int8_round_trip_is_within_half_a_step(group_size):
     w = random_weight(48, 256)
-    coarse, residual = quantize_int8(w, 32)
-    assert torch.equal(coarse[0], quantize_int4(w, 32)[0])
-    err = (dequantize_int4(*coarse) + dequantize_int4(*residual) - w).abs()
-    assert (err <= int4_error_bound(*residual[1:], 32)).all()
-    # within 1/15 of the coarse step (about 1/30 on average): finer than one 8-bit grid per group
-    step = coarse[1].float().abs().repeat_interleave(32, dim=1)
-    assert (err <= step / 15 + 2**-16 * w.abs() + 1e-9).all()
-    assert (err / step)[step > 1e-6].mean() < 0.02
+    q, scales = quantize_int8(w, group_size)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and scales.shape == (48, 256 // group_size)
+    step = scales.repeat_interleave(group_size, dim=1)
+    err = (q.float() * step - w).abs()
+    # half a step, plus what the scale's rounding to fp16 moves the group's largest weight by
+    assert (err <= 0.5 * step * (1 + 2**-20) + 2**-11 * w.abs()).all()
+    assert err.mean() < 0.3 * scales.mean()
 
 
-def test_q8_0_codes_are_kept_with_only_the_scale_rounded():
+@pytest.mark.parametrize("use_kernel", USE_KERNEL)
+def test_q8_0_codes_are_kept_with_only_the_scale_rounded(use_kernel):
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=g)
     d = torch.rand(32, 4, generator=g) * 0.02 + 1e-3
-    layer = Int8Linear(*int8_from_q8_0(q, d))
-    d_bf16 = d.to(COMPUTE_DTYPE).float().repeat_interleave(32, dim=1)
-    assert torch.equal(layer.weight, q.float() * d_bf16)
+    layer = Int8Linear(q, d, use_kernel=use_kernel)
+    assert layer.on_kernel == use_kernel
+    # the kernel stores d in fp16 (Q8_0's own d is fp16: exact), torch's two int4 planes in bf16
+    rounded = d.half() if use_kernel else d.to(COMPUTE_DTYPE)
+    assert torch.equal(layer.weight, q.float() * rounded.float().repeat_interleave(32, dim=1))
+    planes = int8_from_q8_0(q, d)
+    assert torch.equal(
+        dequantize_int4(*planes[0]) + dequantize_int4(*planes[1]), Int8Linear(q, d, use_kernel=False).weight
+    )
 
 
 # ---------------------------------------------------------------------------------------------- layers
 
 
+def kernel_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """specserve's kernel: half an int8 step of each input block (max|x| / 127 per 32 inputs) times the
+    weights it meets, plus fp32 rounding."""
+    rows = x.reshape(-1, x.shape[-1])
+    steps = rows.abs().reshape(len(rows), -1, 32).amax(-1) / 127
+    per_block = weight.abs().reshape(len(weight), -1, 32).sum(-1)
+    bound = 0.5 * steps @ per_block.t() + 1e-5 * (rows.abs() @ weight.abs().t())
+    return bound.reshape(*x.shape[:-1], len(weight))
+
+
+def quantized(mode: str, weight, bias=None, use_kernel: bool | None = None):
+    q = quantize_int8(weight, 32) if mode == "int8" else quantize_int4(weight, 32)
+    return (Int8Linear if mode == "int8" else Int4Linear)(*q, bias, use_kernel=use_kernel)
+
+
+@pytest.mark.parametrize("use_kernel", USE_KERNEL)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("in_features,out_features", [(64, 48), (256, 128), (1536, 256)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_layer_equals_its_dequantized_reference(mode, in_features, out_features, bias):
+def test_layer_equals_its_dequantized_reference(mode, in_features, out_features, bias, use_kernel):
     torch.manual_seed(0)
     dense = nn.Linear(in_features, out_features, bias=bias)
-    layer = quantize_linear(dense.weight, dense.bias, mode)
+    layer = quantized(mode, dense.weight, dense.bias, use_kernel)
+    assert layer.on_kernel == use_kernel
     inputs = [torch.randn(in_features)]  # 1-D
     inputs += [torch.randn(m, in_features) for m in (1, 2, 3, 5, 16, 33)]
     inputs += [torch.randn(2, 5, in_features), torch.randn(in_features, 6).t()]  # 3-D, strided
-    # dequantized fp32 weights of each kernel call (int8 makes two, one per int4 plane)
-    planes = [p.weight for p in ([layer.coarse, layer.residual] if mode == "int8" else [layer])]
-    weight = sum(planes)
     with torch.inference_mode():
+        if use_kernel:  # int8 activations (per block of 32), fp32 out
+            for x in inputs:
+                y = layer(x)
+                ref = F.linear(x, layer.weight, layer.bias)
+                assert y.shape == ref.shape and y.dtype == torch.float32
+                assert ((y - ref).abs() <= kernel_error_bound(x, layer.weight)).all(), tuple(x.shape)
+            assert layer(torch.randn(0, in_features)).shape == (0, out_features)
+            return
+        # torch's: dequantized fp32 weights of each kernel call (int8 makes two, one per int4 plane)
+        planes = [p.weight for p in ([layer.coarse, layer.residual] if mode == "int8" else [layer])]
+        weight = sum(planes)
         for x in inputs:
             # the reference: the dequantized weight applied in fp32 to the bf16-rounded input
             x_bf16 = x.to(COMPUTE_DTYPE).float()
@@ -122,20 +157,28 @@ def test_layer_equals_its_dequantized_reference(mode, in_features, out_features,
         assert layer(torch.randn(0, in_features)).shape == (0, out_features)
 
 
+@pytest.mark.parametrize("use_kernel", USE_KERNEL)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("in_features,out_features", [(64, 256), (512, 256), (1536, 1536)])
-def test_layer_is_batch_invariant(mode, in_features, out_features):
+def test_layer_is_batch_invariant(mode, in_features, out_features, use_kernel):
     """A row's output does not depend on the other rows: what makes greedy speculation exact."""
-    layer = quantize_linear(random_weight(out_features, in_features), None, mode)
-    for path in [layer, *([layer.coarse, layer.residual] if mode == "int8" else [])]:
+    layer = quantized(mode, random_weight(out_features, in_features), None, use_kernel)
+    planes = [layer.coarse, layer.residual] if mode == "int8" and not use_kernel else []
+    for path in [layer, *planes]:
         assert_batch_invariant(path, in_features)
 
 
-def test_int4_codes_read_back_through_the_kernel():
+@pytest.mark.parametrize("use_kernel", USE_KERNEL)
+def test_int4_codes_read_back(use_kernel):
     q, scales, zeros = quantize_int4(random_weight(64, 256), 32)
-    layer = Int4Linear(q, scales, zeros)
+    layer = Int4Linear(q, scales, zeros, use_kernel=use_kernel)
     assert torch.equal(layer.codes(), q)
-    assert torch.equal(layer.weight, dequantize_int4(q, scales, zeros))
+    if use_kernel:  # q * s + (z - 8 s): the scales are bf16 (exact in fp16), the minimums rounded to fp16
+        mins = (zeros.float() - 8 * scales.float()).half().float()
+        expected = q.float() * scales.float().repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)
+        assert torch.equal(layer.weight, expected)
+    else:
+        assert torch.equal(layer.weight, dequantize_int4(q, scales, zeros))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -221,10 +264,12 @@ def test_block_decoding_equals_gguf_dequantization(qtype):
 
 
 def assert_int4_maps_blocks(layer: Int4Linear, expected: np.ndarray) -> None:
-    """Straight from Q4 blocks: the same codes, with scale and zero only rounded to bf16."""
+    """Straight from Q4 blocks: the same codes, with scale and minimum only rounded (to fp16 for specserve's
+    kernel, to bf16 for torch's, which stores the zero, min + 8 scale)."""
     assert layer.group_size == 32
-    scales, zeros = layer.scales_and_zeros.float().transpose(0, 1).unbind(-1)
-    bound = 2**-8 * (8 * scales.abs() + zeros.abs()).repeat_interleave(32, dim=1)
+    scales, mins = layer.scales_and_mins()
+    eps = 2**-10 if layer.on_kernel else 2**-8
+    bound = eps * (16 * scales.abs() + mins.abs()).repeat_interleave(32, dim=1)
     assert ((layer.weight - torch.from_numpy(expected)).abs() <= bound).all()
 
 

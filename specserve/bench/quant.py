@@ -4,14 +4,18 @@ cost curve T(q)/T(1), and quality (greedy agreement with fp32, perplexity on Pyt
     OMP_WAIT_POLICY=PASSIVE python -m specserve.bench.quant kernels
     OMP_WAIT_POLICY=PASSIVE python -m specserve.bench.quant decode --model qwen2.5-coder-1.5b
 
-`decode` runs one phase per mode (fp32, int8, int4; the three 1.5B engines do not fit in this machine's
-memory together), each interleaved round by round with llama.cpp (llama-cpp-python, `pip install
-'specserve[bench]'`) on the same GGUF with the same thread count, which stays loaded throughout: every
-ratio is measured against llama.cpp within one phase, under the same load (absolute figures drift on this
-shared machine), and ratios between modes go through llama.cpp. Per phase: batch-1 greedy decode tokens/s;
+`decode` runs one phase per mode (fp32, int8, int4; the 1.5B engines do not all fit in this machine's
+memory together). In the int8 and int4 phases the layers on specserve's kernel (layers/kernels) run
+beside the same mode on torch's kernel (`int4 torch`: the path before it, and the fallback; `--no-torch`
+drops it), and llama.cpp (llama-cpp-python, `pip install 'specserve[bench]'`) on the same GGUF with the
+same thread count stays loaded throughout, where installed: engines of one phase are timed round by round
+in turn, so their ratios are measured under the same load (absolute figures drift on this shared
+machine), and ratios between phases go through llama.cpp when it runs. Per phase: batch-1 greedy decode
+tokens/s and the share of the read-bandwidth roofline it reaches (weight bytes a token reads / bandwidth);
 T(q) for q = 1..16 (one forward over q new tokens after `--context` cached ones, logits for all q rows, as
-verification needs); and, unless `--no-quality`, greedy outputs (compared with fp32's at the end) and
-perplexity on Python source. `--profile` adds an operator profile of int4 decode steps.
+verification needs); and, unless `--no-quality`, perplexity on Python source and greedy outputs
+(compared with fp32's at the end; `--no-agreement` skips them). `--profile` adds an operator profile of
+int4 decode steps.
 OMP_WAIT_POLICY=PASSIVE (set before Python starts) keeps idle OpenMP threads from spinning against the
 other engines and the neighbours (see specserve/layers/linear.py).
 """
@@ -32,8 +36,9 @@ import torch
 from specserve.bench.spec_decode import CachedContext
 from specserve.config import SamplingParams
 from specserve.core.sequence import Sequence
-from specserve.layers.linear import onednn_linear_padded, onednn_pack
-from specserve.layers.quant import quantize_linear
+from specserve.layers import kernels
+from specserve.layers.linear import PackedLinear, onednn_linear_padded, onednn_pack
+from specserve.layers.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_linear
 from specserve.llm import LLM
 from specserve.worker.model_runner import PieceInput
 
@@ -77,32 +82,36 @@ def _int8pack(weight: torch.Tensor):
 
 
 def bench_kernels(rounds: int, m_values: list[int]) -> dict:
-    """ms per call of each linear kernel at each (shape, M), interleaved: fp32 oneDNN, int8 (two int4 planes),
-    torch's per-channel int8 kernel (for comparison), int4 at group sizes 32 and 128."""
+    """ms per call of each linear kernel at each (shape, M), interleaved: fp32 oneDNN, int8 and int4 on
+    specserve's kernel (where built) and on torch's (int8 as two int4 planes; int4 at group sizes 32 and
+    128), torch's per-channel int8 kernel (for comparison)."""
     results: dict = {}
     for name, k, n in KERNEL_SHAPES:
         copies = max(1, CACHE_FLUSH_BYTES // (n * k * 4))
         weights = [torch.randn(n, k) / k**0.5 for _ in range(copies)]
         packed = [onednn_pack(w) for w in weights]
-        kernels = {
+        calls_of = {
             "fp32": [lambda x, w=w: onednn_linear_padded(x, w, None) for w in packed],
-            "int8": [quantize_linear(w, None, "int8") for w in weights],
+            "int8 torch": [Int8Linear(*quantize_int8(w, 32), use_kernel=False) for w in weights],
             # torch's per-channel int8 kernel: measured, not used (see specserve/layers/quant.py)
             "int8pack": [_int8pack(w) for w in weights],
-            "int4 g32": [quantize_linear(w, None, "int4", 32) for w in weights],
-            "int4 g128": [quantize_linear(w, None, "int4", 128) for w in weights],
+            "int4 torch": [Int4Linear(*quantize_int4(w, 32), use_kernel=False) for w in weights],
+            "int4 torch g128": [Int4Linear(*quantize_int4(w, 128), use_kernel=False) for w in weights],
         }
+        if kernels.ops() is not None:
+            calls_of["int8"] = [quantize_linear(w, None, "int8") for w in weights]
+            calls_of["int4"] = [quantize_linear(w, None, "int4") for w in weights]
         del weights
         print(f"\n{name} {k}->{n}: ms per call, median of {rounds} (x = speed relative to fp32)", flush=True)
         results[name] = {}
         for m in m_values if n < 100_000 else [v for v in m_values if v <= 16]:
             x = torch.randn(m, k)
-            times: dict[str, list[float]] = {kn: [] for kn in kernels}
+            times: dict[str, list[float]] = {kn: [] for kn in calls_of}
             with torch.inference_mode():
-                for calls in kernels.values():
+                for calls in calls_of.values():
                     calls[0](x)  # first calls allocate and set up primitives
                 for _ in range(rounds):
-                    for kn, calls in kernels.items():
+                    for kn, calls in calls_of.items():
                         start = time.perf_counter()
                         for call in calls:
                             call(x)
@@ -159,11 +168,22 @@ class LlamaCpp:
 class Specserve:
     """One of our engines, timed like LlamaCpp."""
 
-    def __init__(self, model: str, quantization: str | None, max_model_len: int):
-        self.llm = LLM(
-            model, quantization=quantization, max_model_len=max_model_len, kv_cache_memory="512MiB"
-        )
+    def __init__(self, model: str, quantization: str | None, max_model_len: int, torch_kernel: bool = False):
+        """`torch_kernel`: quantized layers on torch's int4 kernel instead of specserve's (layers/kernels)."""
+        previous = os.environ.get(kernels.ENV_VAR)
+        if torch_kernel:
+            os.environ[kernels.ENV_VAR] = "1"  # read when the layers are built
+        try:
+            self.llm = LLM(
+                model, quantization=quantization, max_model_len=max_model_len, kv_cache_memory="512MiB"
+            )
+        finally:
+            if previous is None:
+                os.environ.pop(kernels.ENV_VAR, None)
+            else:
+                os.environ[kernels.ENV_VAR] = previous
         self.cached: CachedContext | None = None
+        self.weight_bytes = weight_bytes_per_token(self.llm.engine.model)
 
     def decode_seconds(self, prompt: list[int], new_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -180,6 +200,34 @@ class Specserve:
         if self.cached is not None:
             self.cached.release()
             self.cached = None
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every linear layer as stored (quantized codes, scales
+    and minimums, or fp32), a head tied to the embedding included; not the embedding rows it indexes."""
+    total, has_head = 0, False
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear | Int8Linear):
+            total += sum(b.numel() * b.element_size() for b in module.buffers())
+        elif isinstance(module, torch.nn.Linear | PackedLinear):
+            total += module.in_features * module.out_features * 4
+        else:
+            continue
+        has_head |= name.endswith("lm_head")
+    if not has_head:
+        total += model.model.embed_tokens.weight.numel() * 4
+    return total
+
+
+def read_bandwidth_gb_s(size_mb: int = 1024, repeats: int = 5) -> float:
+    """Best-of-n read bandwidth: a sum over a large fp32 tensor (what batch-1 decode does to its weights)."""
+    data = torch.ones(size_mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
 
 
 def source_tokens(tokenizer, modules: list[str]) -> list[list[int]]:
@@ -276,15 +324,16 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """One phase per mode (fp32, int8, int4 do not fit in memory together here), each interleaved with
-    llama.cpp, which stays loaded: every ratio is measured against llama.cpp within its phase."""
-    from specserve.bench.decode import copy_bandwidth_gb_s
+    """One phase per mode (fp32, int8, int4 do not fit in memory together here). In a quantized phase the
+    mode runs on specserve's kernel and on torch's side by side; llama.cpp, where installed, stays loaded:
+    engines of one phase are timed in turn, round by round, under the same load."""
     from specserve.models.gguf import gguf_source
     from specserve.models.loader import load_tokenizer, resolve_model
 
     threads = torch.get_num_threads()
     wait = os.environ.get("OMP_WAIT_POLICY")
     print(f"torch {torch.__version__}, {threads} threads, OMP_WAIT_POLICY={wait}, load {os.getloadavg()}")
+    print(f"specserve kernels: {kernels.isa_name()}")
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     sources = source_tokens(tokenizer, PROMPT_MODULES)
@@ -300,56 +349,88 @@ def run(args: argparse.Namespace) -> dict:
             llama = LlamaCpp(str(gguf_path), threads, n_ctx=max_len + 16)
         except ImportError:
             print("llama-cpp-python is not installed (pip install 'specserve[bench]'): llama.cpp skipped")
-    bandwidth = copy_bandwidth_gb_s()
-    print(f"copy bandwidth {bandwidth:.1f} GB/s; llama.cpp: {gguf_path if llama else 'not run'}")
+    bandwidth = read_bandwidth_gb_s()
+    print(f"read bandwidth {bandwidth:.1f} GB/s; llama.cpp: {gguf_path if llama else 'not run'}")
 
-    decode: dict[str, dict[str, float]] = {}
-    curves: dict[str, dict] = {}
+    decode: dict[str, dict[str, float]] = {}  # phase -> engine -> tokens/s
+    curves: dict[str, dict] = {}  # phase -> engine -> q -> ms
     outputs: dict[str, dict[str, list[list[int]]]] = {}
     ppl: dict[str, float] = {}
-    for mode in MODES:
+    weight_bytes: dict[str, int] = {}
+    for mode in args.modes:
         start = time.perf_counter()
-        ours = Specserve(args.model, None if mode == "fp32" else mode, max_len)
+        quantization = None if mode == "fp32" else mode
+        ours = {mode: Specserve(args.model, quantization, max_len)}
+        if quantization and args.torch and kernels.ops() is not None:
+            ours[f"{mode} torch"] = Specserve(args.model, quantization, max_len, torch_kernel=True)
+        weight_bytes.update({name: engine.weight_bytes for name, engine in ours.items()})
         print(f"\n== {mode} (loaded in {time.perf_counter() - start:.0f} s)", flush=True)
-        engines = {mode: ours, **({"llama.cpp": llama} if llama else {})}
+        engines = {**ours, **({"llama.cpp": llama} if llama else {})}
         decode[mode] = bench_decode(engines, prompt_sets["code"][0], args.new_tokens, args.rounds)
         curves[mode] = bench_verify_curve(engines, context, 16, args.rounds)
         if args.profile and mode == "int4":
             print("int4 decode profile (self CPU time by operator):")
-            print(profile_decode(ours.llm, prompt_sets["code"][0], 16))
+            print(profile_decode(ours[mode].llm, prompt_sets["code"][0], 16))
         if args.quality:
-            outputs[mode] = {name: greedy_outputs(ours.llm, ps, 64) for name, ps in prompt_sets.items()}
-            ppl[mode] = perplexity(ours.llm, text, args.ppl_window, windows)
-            print(f"  perplexity {ppl[mode]:.4f}", flush=True)
+            for name, engine in ours.items():
+                ppl[name] = perplexity(engine.llm, text, args.ppl_window, windows)
+                print(f"  {name} perplexity {ppl[name]:.4f}", flush=True)
+                if args.agreement:
+                    outputs[name] = {n: greedy_outputs(engine.llm, ps, 64) for n, ps in prompt_sets.items()}
         del ours, engines
         gc.collect()
 
     print(
         f"\nbatch-1 greedy decode: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
-        f"median of {args.rounds} rounds interleaved with llama.cpp"
+        f"median of {args.rounds} rounds, engines of a phase in turn"
     )
+    fp32_rate = decode.get("fp32", {}).get("fp32")
     for mode, rates in decode.items():
-        line = f"  {mode:5s} {rates[mode]:6.2f} tok/s"
-        if llama:
-            vs_llama = rates[mode] / rates["llama.cpp"]
-            vs_fp32 = vs_llama / (decode["fp32"]["fp32"] / decode["fp32"]["llama.cpp"])
-            line += f" | llama.cpp {rates['llama.cpp']:6.2f} tok/s in this phase | {vs_llama:.2f}x llama.cpp"
-            line += f" (llama.cpp {1 / vs_llama:.2f}x faster) | {vs_fp32:.2f}x fp32"
-        print(line)
+        for name, rate in rates.items():
+            if name == "llama.cpp":
+                continue
+            roofline = rate * weight_bytes[name] / 1e9 / bandwidth
+            line = f"  {name:10s} {rate:6.2f} tok/s | {weight_bytes[name] / 1e9:.2f} GB a token, "
+            line += f"{roofline:.0%} of the roofline"
+            if name != mode:
+                line += f" | {mode} is {rates[mode] / rate:.2f}x this"
+            if llama:
+                vs_llama = rate / rates["llama.cpp"]
+                line += f" | {vs_llama:.2f}x llama.cpp ({rates['llama.cpp']:.2f} tok/s in this phase)"
+                if "fp32" in decode:  # through llama.cpp, timed in both phases
+                    fp32_vs_llama = decode["fp32"]["fp32"] / decode["fp32"]["llama.cpp"]
+                    line += f" | {vs_llama / fp32_vs_llama:.2f}x fp32"
+            elif fp32_rate:
+                line += f" | {rate / fp32_rate:.2f}x fp32 (across phases)"
+            print(line)
     print(f"\nT(q)/T(1): one forward over q tokens after {args.context} cached ones")
-    columns = {mode: curve[mode] for mode, curve in curves.items()}
+    columns = {name: ms for curve in curves.values() for name, ms in curve.items() if name != "llama.cpp"}
     if llama:
-        columns["llama.cpp"] = curves["int4"]["llama.cpp"]
+        columns["llama.cpp"] = next(iter(curves.values()))["llama.cpp"]
     print("   q" + "".join(f"{name:>12s}" for name in columns))
     print("   1" + "".join(f"{ms[1]:9.1f} ms" for ms in columns.values()))
     for q in range(2, 17):
         print(f"  {q:2d}" + "".join(f"{ms[q] / ms[1]:11.2f}x" for ms in columns.values()))
-    result = {"threads": threads, "bandwidth_gb_s": bandwidth, "decode": decode, "t_q_ms": curves}
+    result = {
+        "threads": threads,
+        "kernels": kernels.isa_name(),
+        "read_bandwidth_gb_s": bandwidth,
+        "weight_bytes_per_token": weight_bytes,
+        "decode": decode,
+        "t_q_ms": curves,
+    }
     if args.quality:
         result["perplexity"] = ppl
+        names = ", ".join(PERPLEXITY_MODULES)
+        print(f"\nperplexity on {windows} x {args.ppl_window} tokens of stdlib source ({names})")
+        for name, value in ppl.items():
+            vs = f" ({value / ppl['fp32'] - 1:+.2%} vs fp32)" if "fp32" in ppl else ""
+            print(f"  {name}: {value:.4f}{vs}")
+    if args.quality and args.agreement and "fp32" in outputs:
         result["agreement_with_fp32"] = {
             m: {name: agreement(outputs["fp32"][name], outputs[m][name]) for name in prompt_sets}
-            for m in ("int8", "int4")
+            for m in outputs
+            if m != "fp32"
         }
         print("\ngreedy agreement with fp32 over the first 64 tokens of 10 prompts: share of tokens before")
         print("the first divergence (strict), and share of equal positions")
@@ -358,10 +439,6 @@ def run(args: argparse.Namespace) -> dict:
                 f"{s}: {100 * a['prefix']:.1f}% / {100 * a['positionwise']:.1f}%" for s, a in per_set.items()
             ]
             print(f"  {mode}: " + ", ".join(cells))
-        names = ", ".join(PERPLEXITY_MODULES)
-        print(f"perplexity on {windows} x {args.ppl_window} tokens of stdlib source ({names})")
-        for mode, value in ppl.items():
-            print(f"  {mode}: {value:.4f} ({value / ppl['fp32'] - 1:+.2%} vs fp32)")
     print(json.dumps(result))
     return result
 
@@ -379,7 +456,10 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--context", type=int, default=256, help="cached tokens before the q timed ones")
     dec.add_argument("--rounds", type=int, default=5)
     dec.add_argument("--no-llama", dest="llama", action="store_false")
+    dec.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    dec.add_argument("--no-torch", dest="torch", action="store_false", help="skip torch's int4 kernel")
     dec.add_argument("--no-quality", dest="quality", action="store_false")
+    dec.add_argument("--no-agreement", dest="agreement", action="store_false", help="perplexity only")
     dec.add_argument("--profile", action="store_true", help="profile int4 decode steps by operator")
     dec.add_argument("--ppl-window", type=int, default=512)
     dec.add_argument("--ppl-windows", type=int, default=6)

@@ -1,61 +1,47 @@
-"""Weight-only int8 / int4 linear layers on PyTorch's own int4 CPU kernel, and `quantize_model`.
+"""Weight-only int8 / int4 linear layers, and `quantize_model`: on specserve's own kernel where it is built
+(specserve/layers/kernels), else on PyTorch's int4 CPU kernel.
 
-Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the kernel call):
-- int4: asymmetric, one scale and zero per group of G = 32 inputs (the kernel also takes 64, 128, 256):
-  w ~ (q - 8) * s + z, q in [0, 15]. Kernel: `aten._weight_int4pack_mm_for_cpu` on the weight packed by
-  `aten._convert_weight_to_int4pack_for_cpu`, scales and zeros interleaved as [K / G, N, 2].
-- int8: 8 bits per weight as two int4 planes of the same kernel: a coarse int4 plane and a plane for its
-  residual (G = 32), y = x W1^T + x W2^T. The residual spans one coarse step, so its plane's step is 1/15
-  of that: range / 225 per group of 32, about an 8-bit grid per group.
+Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the layers):
+- int4: asymmetric, one scale and zero per group of G = 32 inputs (64, 128, 256 also work):
+  w ~ (q - 8) * s + z, q in [0, 15], s and z rounded to bf16 before q is chosen. GGUF Q4_0 / Q4_K blocks
+  keep their own codes, scales and minimums (models/gguf.py).
+- int8: symmetric, w ~ q * s, q in [-127, 127], s = max|w| / 127 per group of 32: GGUF Q8_0's format, so
+  Q8_0 blocks map in as they are. Weight error: at most half a step, max|w| / 254 per group.
 
-Why not torch's int8 kernel (`aten._weight_int8pack_mm`): it has one scale per output channel, and rows
-with outlier weights lose most of their resolution. Relative weight error over Qwen2.5-Coder-1.5B's linear
-layers (median / worst layer): per-channel int8 1.2% / 4.8%, two int4 planes 0.21% / 0.67%, int4 4.4% /
-11%. Greedy agreement with fp32 over 64 tokens of 10 chat prompts (share of tokens before the first
-divergence): per-channel int8 76%, two planes 93%, two planes with the LM head left fp32 100%. Speed at
-M = 1 is about the same (table below), so int8 uses the planes.
+specserve's kernel (qlinear.cpp; chosen over torch.compile's CPU path by the measurements in
+docs/quantization.md): activations are quantized to int8 per block of 32 inputs, dynamically (scale
+max|x| / 127, as llama.cpp's Q8_0 activations), each block's dot product is exact integer arithmetic
+(AVX2 maddubs, AVX-512 VNNI dpbusd), and the block results are summed in fp32, which is also the output
+dtype. Per block, not per row: one outlier input (Qwen's MLP activations have some hundreds of times the
+median) then costs resolution only in its own block. That rounding is the error the kernel adds: at most
+half an int8 step per input, max|x| / 254 in its block (0.5% rms of the output on Gaussian data, as
+much as int8's own weight rounding adds). Scales
+(and int4's minimums, z - 8 s) are stored in fp16: bf16 scales and Q4_0 / Q8_0's fp16 scales are exact
+in it, minimums and Q4_K's scales round within 2^-11; a layer whose scales overflow fp16 keeps torch's
+kernel. `SPECSERVE_NO_KERNELS=1`, a failed build or a CPU without AVX2 give torch's kernel everywhere.
 
-Why bf16 activations inside the kernel: on x86 it is vectorized (AVX-512 / AVX2) only for bf16 inputs;
-its fp32 instantiation is the scalar reference loop (7x slower than the fp32 oneDNN linear at M = 1, 1536
--> 8960; torch's int8 kernel likewise, 3.4x slower). It still dequantizes to fp32 and accumulates in fp32;
-only the layer's input and output are rounded to bf16 (2^-8 relative at most), and scales and zeros are
-stored in bf16 because it reads them in the activation dtype. Everything outside the linear layers (norms,
-attention, residual stream, softmax) stays fp32. The rounding of the output matters at one place, the LM
-head: logits of ~20 move by up to ~0.06, enough to reorder near ties (the 93% vs 100% above), so int8
-leaves the head in fp32 (`QUANTIZE_HEAD`); int4 quantizes it, for speed (it is 15% of the weights).
+torch's kernel (`aten._weight_int4pack_mm_for_cpu`, weight packed by `_convert_weight_to_int4pack_for_cpu`,
+scales and zeros bf16, [K / G, N, 2]): vectorized on x86 only for bf16 inputs, so the layer's input and
+output are rounded to bf16 (2^-8 relative) around it; it dequantizes to fp32 and accumulates in fp32.
+int8 runs as two int4 planes of it (`int8_from_q8_0`: c = q + 128 = 16 a + b, two calls added in fp32),
+its scale rounded to bf16. torch's own int8 kernel (`_weight_int8pack_mm`) was measured and not used: one
+scale per output channel (median / worst relative weight error over Qwen2.5-Coder-1.5B's layers 1.2% /
+4.8%, against 0.2% / 0.7% per group), and its fp32 instantiation is a scalar loop. On 2 cores torch's int4
+kernel reads its weights at ~10 GB/s, bound by dequantization (a table lookup and two FMAs per weight per
+4 rows): specserve's kernel is 1.7-5x faster from M = 1 to 256 here (docs/quantization.md).
 
-Kernel speed on this machine (`python -m specserve.bench.quant kernels`: 2 threads, AVX-512, medians of 7
-interleaved rounds, weights cycled past the 32 MiB L3), relative to the fp32 oneDNN packed linear (> 1 is
-faster), at M rows per call:
+The LM head: `QUANTIZE_HEAD`. int8 keeps it fp32 (the accurate mode; near ties between logits of ~20 move
+with the rounding of either kernel: bf16 outputs for torch's, int8 inputs for ours); int4 quantizes it,
+for speed (15% of the weights).
 
-    layer (K -> N)            M:  1     2     4     8    16  |  64   256
-    gate/up 1536 -> 8960  int4   3.37  2.79  1.90  1.32  0.92 | 0.78  0.74   (0.83 ms at M = 1)
-                          int8   1.67  1.38  0.95  0.65  0.46 | 0.39  0.37
-           torch int8 (per-ch.)  1.79  1.60  1.25  0.88  0.63 | 0.55  0.62
-    down 8960 -> 1536     int4   3.45  2.85  1.89  1.39  0.94 | 0.77  0.75
-                          int8   1.70  1.40  0.94  0.68  0.47 | 0.40  0.38
-    q/o 1536 -> 1536      int4   3.22  2.79  1.96  1.40  0.99 | 0.81  0.75
-    lm head 1536 -> 151936 int4  3.19  2.56  1.87  1.29  0.91
-                          int8   1.58  1.28  0.94  0.64  0.45
-    int4 with G = 128 instead of 32: 4-9% faster; G = 32 is kept (it is GGUF Q4_0 / Q4_K's group).
-
-Neither path reaches the memory roofline at M = 1: int4 reads its 0.63 B/weight at ~10 GB/s, against ~20
-GB/s for fp32 oneDNN. The kernel is bound by dequantization work on 2 cores (a table lookup and two FMAs
-per weight, per block of 4 rows: its cost grows with M faster than oneDNN's GEMM). A kernel that keeps the
-weights in int4 and multiplies in integers (llama.cpp quantizes activations to 8 bits and uses VNNI dot
-products) is what would close the gap; torch has none for x86. Each path was chosen by these numbers: int4
-is faster than fp32 up to M = 8, about even at 16, 0.75-0.8x at prefill sizes, so it serves every M;
-int8 is faster up to M ~ 3 and is the accurate option.
-
-Both are batch invariant: a row's output is bitwise the same whatever other rows share the call, so
-greedy speculation stays exact. By construction: the kernel runs tiles of 4 rows x 64 columns (32 on
-AVX2), in parallel over tiles only; each output element has its own fp32 accumulator, summed over K in
-order with the same dequantized weights whatever the tile's row count (1-4 rows only changes how many
-rows share one dequantization). That holds for its AVX-512, AVX2 and scalar instantiations alike; int8
-adds its two planes elementwise. The layers left fp32 (int8's head, MoE routers, weights the kernel cannot
-take) rely on `pack_linears` packing them, however small: `F.linear` is not invariant (linear.py). The
-input's rounding to bf16 hides most last-bit differences from the layers before, and turns the rest into
-2^-8 ones: everything around these layers must be batch invariant as well.
+Both kernels are batch invariant: a row's output is bitwise the same whatever other rows share the call,
+so greedy speculation stays exact. specserve's: every output element is one fp32 accumulator that adds
+the block terms in order whatever M is; rows are grouped (4 at a time) only to share the unpacking of a
+weight tile, and threads split output tiles, never K; its scalar, AVX2 and AVX-512 paths give the same
+bits (tests/test_kernels.py). torch's: tiles of 4 rows x 64 columns (32 on AVX2), in parallel over tiles
+only, each element accumulated over K in order with the same dequantized weights. The layers left fp32
+(int8's head, MoE routers, weights neither kernel takes) rely on `pack_linears` packing them, however
+small: `F.linear` is not invariant (linear.py). Everything around these layers must be invariant as well.
 """
 
 from __future__ import annotations
@@ -66,12 +52,15 @@ import torch
 from torch import nn
 
 from specserve.config import QUANTIZATION_MODES, SpecserveError
+from specserve.layers import kernels
 from specserve.layers.linear import PackedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
 DEFAULT_GROUP_SIZE = 32
 N_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
-COMPUTE_DTYPE = torch.bfloat16  # the kernel's vectorized instantiation on x86 (see the module docstring)
+COMPUTE_DTYPE = torch.bfloat16  # torch's kernel: its vectorized instantiation on x86 (module docstring)
+FP16_MAX = 65504.0  # specserve's kernel stores scales in fp16
+FP16_TINY = 2.0**-14  # fp16's smallest normal number: below it, 2^-24 absolute steps
 # The LM head's output is rounded to bf16 by the kernel: logits of ~20 lose ~0.06, enough to reorder near
 # ties. int8 keeps the head fp32 for its accuracy (packed by `pack_linears`, batch invariant); int4 quantizes
 # it for speed (it is 15% of the weights).
@@ -114,18 +103,21 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
 Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q, scales, zeros) as quantize_int4 returns
 
 
-def quantize_int8(weight: torch.Tensor, group_size: int) -> tuple[Int4Plane, Int4Plane]:
-    """8 bits per weight as two int4 planes: a coarse one, and one for what the coarse plane misses.
-
-    The residual of an int4 group spans about one coarse step, so the residual plane's step is 1/15 of
-    it, range / 225 per group: about the resolution of an 8-bit grid on each group (range / 255)."""
-    coarse = quantize_int4(weight, group_size)
-    residual = weight.detach().float() - dequantize_int4(*coarse)
-    return coarse, quantize_int4(residual, group_size)
+def quantize_int8(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K] in -127..127, scales float32 [N, K / G]) with w ~ q * s: GGUF Q8_0's format (symmetric,
+    s = max|w| / 127 per group). s is rounded to fp16 (what the kernel stores) before q is chosen, except
+    below fp16's normal range, where it stays exact."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    scales = groups.abs().amax(dim=-1) / 127
+    scales = torch.where(scales >= FP16_TINY, scales.half().float(), scales)
+    q = torch.round(groups / scales.clamp_min(1e-30)[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(n, k), scales
 
 
 def int8_from_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[Int4Plane, Int4Plane]:
-    """GGUF Q8_0 (w = d * q, q in [-127, 127], one d per 32 weights) as two int4 planes that keep its codes.
+    """int8 codes (w = d * q, q in [-127, 127], one d per group) as two int4 planes of torch's kernel that
+    keep the codes: the int8 layer's form without specserve's kernel.
 
     With c = q + 128 = 16 a + b: d * q = (a - 8) * 16 d + (b - 8) * d + 8 d. Only d is rounded (to bf16;
     16 d and 8 d round alike), so the weight is bf16(d) * q: within 2^-8 (relative) of Q8_0's own value."""
@@ -135,11 +127,66 @@ def int8_from_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[Int4Plane, In
     return (high, 16 * d, torch.zeros_like(d)), (low, d, 8 * d)
 
 
+# -------------------------------------------------------------------------------- the kernel's layout
+# specserve/layers/kernels/qlinear.cpp: output channels in tiles of 16; in a tile, 64-byte lines of 4
+# inputs x 16 channels (byte 4c + j: channel c, input j); int4 packs two consecutive lines into the low
+# and high nibbles of one. Scales (and int4 minimums) fp16, [N / 16, K / G, 16].
+
+
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] in 0..15 -> uint8 [N / 16, K / 8, 64]."""
+    n, k = q.shape
+    lines = q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 2, 64)
+    return (lines[:, :, 0] | (lines[:, :, 1] << 4)).contiguous()
+
+
+def unpack_int4_codes(packed: torch.Tensor) -> torch.Tensor:
+    tiles, pairs, _ = packed.shape
+    lines = torch.stack([packed & 15, packed >> 4], dim=2).reshape(tiles, 2 * pairs, 16, 4)
+    return lines.permute(0, 2, 1, 3).reshape(16 * tiles, 8 * pairs)
+
+
+def pack_int8_codes(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> int8 [N / 16, K / 4, 64]."""
+    n, k = q.shape
+    return q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+
+
+def unpack_int8_codes(packed: torch.Tensor) -> torch.Tensor:
+    tiles, lines, _ = packed.shape
+    return packed.reshape(tiles, lines, 16, 4).permute(0, 2, 1, 3).reshape(16 * tiles, 4 * lines)
+
+
+def pack_groups(values: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K / G] -> fp16 [N / 16, K / G, 16]."""
+    n, groups = values.shape
+    return values.reshape(n // 16, 16, groups).transpose(1, 2).half().contiguous()
+
+
+def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
+    tiles, groups, _ = packed.shape
+    return packed.float().transpose(1, 2).reshape(16 * tiles, groups)
+
+
+def _use_kernel(wanted: bool | None, *values: torch.Tensor) -> bool:
+    """Whether a layer runs on specserve's kernel: `wanted` (None: whenever it is available), and only if
+    its scales fit fp16 (they do for any real model; torch's kernel keeps them in bf16's wider range)."""
+    if wanted is False or (wanted is None and kernels.ops() is None):
+        return False
+    if kernels.load_ops() is None:  # asked for explicitly (a CPU without AVX2 still has the scalar path)
+        raise SpecserveError("specserve's kernels are not available (see the log, or SPECSERVE_NO_KERNELS)")
+    return all(bool(v.abs().max() <= FP16_MAX) for v in values if v.numel())
+
+
+def _expand(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    return values.repeat_interleave(group_size, dim=1)
+
+
 # ------------------------------------------------------------------------------------------------ modules
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., K] -> contiguous bf16 [rows, K], as the kernel requires."""
+    """[..., K] -> contiguous bf16 [rows, K], as torch's kernel requires."""
     return x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
 
 
@@ -148,69 +195,128 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     return y if bias is None else y + bias.to(x.dtype)
 
 
-class Int4Linear(nn.Module):
-    """Inference-only linear layer with a group-wise int4 weight in the kernel's packed layout.
+def _kernel_call(op, x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
+    """specserve's kernel on [..., K] in any float dtype: it takes contiguous fp32 rows, adds the bias."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    y = op(rows, *weights, bias)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
-    `weight` reads the dequantized fp32 weight: the packed layout depends on the CPU's vector width, so the
-    codes are read back through the kernel itself (identity input, unit scales; slow, for inspection)."""
+
+class Int4Linear(nn.Module):
+    """Inference-only linear layer with a group-wise int4 weight, w = (q - 8) * scales + zeros.
+
+    On specserve's kernel when it is available (`use_kernel=None`), else on torch's: the buffers hold that
+    kernel's packed layout. `weight` reads the dequantized fp32 weight that the layer computes with."""
 
     def __init__(
-        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        use_kernel: bool | None = None,
     ):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scales.shape[1]
+        self.bias = bias
+        scales, zeros = scales.float(), zeros.float()
+        mins = zeros - 8 * scales  # the kernel's form: w = q * s + min (GGUF's)
+        self.on_kernel = _use_kernel(use_kernel, scales, mins)
+        if self.on_kernel:
+            self.register_buffer("packed", pack_int4_codes(q.to(torch.uint8)))
+            self.register_buffer("scales", pack_groups(scales))
+            self.register_buffer("mins", pack_groups(mins))
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed)
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
-        self.bias = bias
 
     def codes(self) -> torch.Tensor:
-        """q as uint8 [N, K] in 0..15."""
+        """q as uint8 [N, K] in 0..15 (torch's layout depends on the CPU's vector width, so its codes are read
+        back through its kernel: identity input, unit scales; slow, for inspection)."""
+        if self.on_kernel:
+            return unpack_int4_codes(self.packed)
         eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
         unit = torch.zeros_like(self.scales_and_zeros)
         unit[..., 0] = 1
         centred = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
         return (centred.t().float() + 8).to(torch.uint8)
 
+    def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, mins) fp32 [N, K / G] as the layer stores them: w = q * scales + mins."""
+        if self.on_kernel:
+            return unpack_groups(self.scales), unpack_groups(self.mins)
+        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        return scales, zeros - 8 * scales
+
     @property
     def weight(self) -> torch.Tensor:
-        scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
-        return dequantize_int4(self.codes(), scales, zeros)
+        if not self.on_kernel:  # torch's kernel computes (q - 8) * s + z
+            scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
+            return dequantize_int4(self.codes(), scales, zeros)
+        scales, mins = self.scales_and_mins()
+        return self.codes().float() * _expand(scales, self.group_size) + _expand(mins, self.group_size)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """bf16 [M, K] (contiguous) -> bf16 [M, N], without the bias."""
+        """torch's kernel: bf16 [M, K] (contiguous) -> bf16 [M, N], without the bias."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, self.group_size, self.scales_and_zeros
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_kernel:
+            return _kernel_call(
+                torch.ops.specserve.int4_linear, x, self.bias, self.packed, self.scales, self.mins
+            )
         return _finish(self.matmul(_as_rows(x)), x, self.bias)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, bias={bias}"
+            f"group_size={self.group_size}, bias={bias}, kernel={'specserve' if self.on_kernel else 'torch'}"
         )
 
 
 class Int8Linear(nn.Module):
-    """Inference-only linear layer with an 8-bit weight held as two int4 planes (`quantize_int8`): two calls
-    of the int4 kernel, their outputs added in fp32. `weight` reads the dequantized fp32 weight."""
+    """Inference-only linear layer with a group-wise symmetric int8 weight, w = q * scales (Q8_0's format).
 
-    def __init__(self, coarse: Int4Plane, residual: Int4Plane, bias: torch.Tensor | None = None):
+    On specserve's kernel when it is available (`use_kernel=None`); else as two int4 planes of torch's
+    kernel (`int8_from_q8_0`: two calls, outputs added in fp32). `weight`: the dequantized fp32 weight."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        use_kernel: bool | None = None,
+    ):
         super().__init__()
-        self.coarse, self.residual = Int4Linear(*coarse), Int4Linear(*residual)
-        self.out_features, self.in_features = self.coarse.out_features, self.coarse.in_features
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scales.shape[1]
         self.bias = bias
+        self.on_kernel = _use_kernel(use_kernel, scales.float())
+        if self.on_kernel:
+            self.register_buffer("packed", pack_int8_codes(q.to(torch.int8)))
+            self.register_buffer("scales", pack_groups(scales.float()))
+        else:
+            coarse, residual = int8_from_q8_0(q, scales)
+            self.coarse = Int4Linear(*coarse, use_kernel=False)
+            self.residual = Int4Linear(*residual, use_kernel=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.coarse.weight + self.residual.weight
+        if not self.on_kernel:
+            return self.coarse.weight + self.residual.weight
+        codes = unpack_int8_codes(self.packed).float()
+        return codes * _expand(unpack_groups(self.scales), self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_kernel:
+            return _kernel_call(torch.ops.specserve.int8_linear, x, self.bias, self.packed, self.scales)
         rows = _as_rows(x)
         y = self.coarse.matmul(rows).float()
         y += self.residual.matmul(rows)
@@ -220,7 +326,7 @@ class Int8Linear(nn.Module):
         bias = self.bias is not None
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.coarse.group_size}, bias={bias}"
+            f"group_size={self.group_size}, bias={bias}, kernel={'specserve' if self.on_kernel else 'torch'}"
         )
 
 

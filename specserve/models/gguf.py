@@ -26,7 +26,7 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
 
 Quantized loading (`load_quantized`, used when the engine is asked for int8/int4) reads the linear
 weights from the GGUF itself rather than from the fp32 conversion: Q8_0 blocks become int8 (their codes
-split into two int4 planes) and Q4_0 / Q4_K blocks int4 (group 32, their own codes, scales and minimums)
+and scales) and Q4_0 / Q4_K blocks int4 (group 32, their own codes, scales and minimums)
 without an fp32 copy of the tensor; other types are dequantized in memory, one tensor at a time, and
 requantized.
 """
@@ -54,7 +54,6 @@ from specserve.layers.quant import (
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
-    int8_from_q8_0,
     quantizable_linears,
     quantize_linear,
     replace_module,
@@ -573,7 +572,7 @@ def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> 
     kind = tensor.tensor_type.name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
     if mode == "int8" and kind == "Q8_0":
-        return Int8Linear(*int8_from_q8_0(*decode_q8_0(raw)), bias)
+        return Int8Linear(*decode_q8_0(raw), bias)
     if mode == "int4" and kind in _INT4_DECODERS:
         q, scales, mins = _INT4_DECODERS[kind](raw)
         return Int4Linear(q, scales, mins + 8 * scales, bias)  # zero: the value of the middle code, 8

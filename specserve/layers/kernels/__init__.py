@@ -1,0 +1,111 @@
+"""The compiled int4 / int8 linear kernels (qlinear.cpp), built once per machine and cached.
+
+The first use compiles qlinear.cpp with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
+into the specserve cache directory, keyed by the source, torch and Python versions; later processes load
+the built library directly. Nothing is printed on success. Without a compiler, when the build fails or on
+a CPU without AVX2, `ops()` returns None after one log line and the quantized layers keep torch's own
+int4 kernel (specserve/layers/quant.py). `SPECSERVE_NO_KERNELS=1` forces that fallback.
+
+The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI):
+    int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
+    quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from specserve.cache_dir import cache_root, file_lock
+
+ENV_VAR = "SPECSERVE_NO_KERNELS"
+SOURCE = Path(__file__).with_name("qlinear.cpp")
+NAME = "specserve_qlinear"
+CFLAGS = ["-O3", "-ffp-contract=off"]  # no fused multiply-adds but the written ones: every path rounds alike
+ISA_NAMES = ("scalar", "avx2", "avx512_vnni")
+
+logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}  # "ops": torch.ops.specserve or None, once tried
+
+
+def disabled() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
+    return cache_root() / "kernels" / key.hexdigest()[:16]
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` wheel's binary sits in the venv, which may not be on it."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
+
+def _build_and_load() -> None:
+    directory = build_dir()
+    library = directory / f"{NAME}.so"
+    with file_lock(directory.with_suffix(".lock")):
+        if library.is_file():
+            torch.ops.load_library(str(library))
+            return
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            NAME,
+            [str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+def load_ops():
+    """torch.ops.specserve with the kernels in it, or None (switched off, or it could not be built). The
+    scalar path is there even on a CPU without AVX2 (tests compare the paths); `ops()` says what to use."""
+    with _lock:
+        if "ops" not in _loaded:
+            _loaded["ops"] = None
+            if not disabled():
+                try:
+                    _build_and_load()
+                    _loaded["ops"] = torch.ops.specserve
+                except Exception as exc:  # no compiler, no ninja, a failed build: fall back
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    logger.warning(
+                        "specserve kernels unavailable (%s): using torch's int4 kernel", first[:200]
+                    )
+        return _loaded["ops"]
+
+
+def ops():
+    """The kernels to run quantized layers with, or None: not built, switched off, or no AVX2 here. Layers
+    ask when they are built, so setting SPECSERVE_NO_KERNELS=1 later affects layers built from then on."""
+    loaded = None if disabled() else load_ops()
+    if loaded is None or loaded.best_isa() < 1:
+        return None
+    return loaded
+
+
+def isa_name() -> str:
+    """What the quantized layers run on: "avx512_vnni", "avx2", or "torch" (the fallback)."""
+    loaded = ops()
+    return "torch" if loaded is None else ISA_NAMES[loaded.best_isa()]

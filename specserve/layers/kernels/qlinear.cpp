@@ -1,0 +1,410 @@
+// Weight-only int4 / int8 linear layers for x86 CPUs: y = x W^T (+ bias), fp32 in and out.
+//
+// Activations are quantized to int8 per block of 32 inputs (scale = max|x| / 127, as llama.cpp's Q8_0),
+// weights stay 4- or 8-bit codes with one fp16 scale (and, for int4, one fp16 minimum) per group of G >= 32
+// inputs; each block's dot product is exact integer arithmetic (AVX2 maddubs / madd, or AVX-512 VNNI
+// dpbusd), and one block at a time is folded into an fp32 accumulator per output element:
+//     acc = fma(float(dot_b), w_scale * x_scale_b, acc);  acc = fma(w_min, x_scale_b * sum_b(x_q), acc)
+// in the order b = 0, 1, ..., whatever the number of rows M: a row's output is bitwise independent of the
+// other rows of the call and of M (rows only share the unpacking of a weight tile). The integer dot
+// products are exact on every path, and the float steps are the same instructions lane by lane, so the
+// scalar, AVX2 and AVX-512 paths give bitwise the same results (the tests compare them).
+//
+// Layouts (built by specserve/layers/quant.py), for N outputs in tiles of 16 and K inputs:
+//   int4 codes  uint8 [N/16, K/8, 64]: line l holds two quads of inputs, 4l..4l+3 in the low nibbles and
+//               4l+4..4l+7 in the high ones, byte 4c + j = output 16t + c, input (quad) + j
+//   int8 codes  int8 [N/16, K/4, 64]: line l holds inputs 4l..4l+3, byte 4c + j as above
+//   scales, mins fp16 [N/16, K/G, 16]
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per activation block, the smallest weight group
+constexpr int64_t kTile = 16;   // output columns per weight tile
+constexpr int kRows = 4;        // rows sharing one pass over a weight tile (registers)
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kAvx2;
+  return kScalar;
+}
+
+// One call's activations: row r's block b at [r * nb + b]; its codes at q + (r * nb + b) * 32.
+struct Acts {
+  const int8_t* q;
+  const float* scale;  // max|x| / 127
+  const float* sum;    // scale * sum of the block's codes (for the int4 minimum)
+  int64_t nb;
+};
+
+struct Weights {
+  const uint8_t* codes;  // this tile's
+  const uint16_t* scales;
+  const uint16_t* mins;  // int4 only
+  int gshift;            // log2(G / 32): block b uses group b >> gshift
+};
+
+// --------------------------------------------------------------------------------- activations
+
+// Per block: scale = max|x| / 127, codes = round-half-even(x * (127 / max|x|)). Exact operations only
+// (max, one rounded multiply, integer sums), so the vector version below gives the same bits.
+void quantize_block_scalar(const float* x, int8_t* q, float* scale, float* sum) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    total += q[i];
+  }
+  *scale = amax / 127.f;
+  *sum = *scale * static_cast<float>(total);
+}
+
+__attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* x, int8_t* q, float* scale,
+                                                             float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i)
+    n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT));
+  // int32 -> int8 (packs interleave 128-bit lanes; the permute puts the 32 codes back in order)
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  *scale = amax / 127.f;
+  *sum = *scale * static_cast<float>(_mm_cvtsi128_si32(s));
+}
+
+// ------------------------------------------------------------------------------------------ scalar
+// The reference path (and the one for CPUs without AVX2): the same arithmetic, element by element.
+
+float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+template <bool kInt4>
+void tile_scalar(const Weights& w, const Acts& a, int64_t r0, int rows, const float* bias, float* out,
+                 int64_t ldo) {
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < kTile; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const int8_t* xq = a.q + ((r0 + r) * a.nb + b) * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          const int64_t quad = b * 8 + i / 4;
+          int32_t code;
+          if (kInt4)
+            code = (w.codes[(quad / 2) * 64 + 4 * c + i % 4] >> (4 * (quad % 2))) & 15;
+          else
+            code = reinterpret_cast<const int8_t*>(w.codes)[quad * 64 + 4 * c + i % 4];
+          dot += code * xq[i];
+        }
+        const int64_t g = (b >> w.gshift) * kTile + c, i = (r0 + r) * a.nb + b;
+        acc = std::fma(static_cast<float>(dot), half_to_float(w.scales[g]) * a.scale[i], acc);
+        if (kInt4) acc = std::fma(half_to_float(w.mins[g]), a.sum[i], acc);
+      }
+      out[r * ldo + c] = bias ? acc + bias[c] : acc;
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------------------- AVX2
+// The tile's 16 columns as two vectors of 8 (one broadcast of the inputs serves both).
+
+template <int R, bool kInt4>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Weights& w, const Acts& a, int64_t r0,
+                                                        const float* bias, float* out, int64_t ldo) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int64_t g = (b >> w.gshift) * kTile;
+    const int8_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = a.q + ((r0 + r) * a.nb + b) * kBlock;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    if (kInt4) {
+      // 8 products of <= 15 * 127 per int16 lane: at most 30480, no saturation, so sum in int16
+#pragma GCC unroll 1
+      for (int p = 0; p < 4; ++p) {
+        const uint8_t* line = w.codes + (4 * b + p) * 64;
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, nibble),
+                      hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i lo1 = _mm256_and_si256(v1, nibble),
+                      hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq[r] + 8 * p, 4);
+          std::memcpy(&x1, xq[r] + 8 * p + 4, 4);
+          const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+          dot[r][0] = _mm256_add_epi16(
+              dot[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b0), _mm256_maddubs_epi16(hi0, b1)));
+          dot[r][1] = _mm256_add_epi16(
+              dot[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b0), _mm256_maddubs_epi16(hi1, b1)));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(dot[r][h], ones);
+    } else {
+      // signed codes: |w| * (x with w's sign), as maddubs wants one unsigned side; <= 2 * 128 * 127
+#pragma GCC unroll 1
+      for (int l = 0; l < 8; ++l) {
+        const uint8_t* line = w.codes + (8 * b + l) * 64;
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
+        const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
+        for (int r = 0; r < R; ++r) {
+          int32_t x;
+          std::memcpy(&x, xq[r] + 4 * l, 4);
+          const __m256i xb = _mm256_set1_epi32(x);
+          const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, v0));
+          const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, v1));
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(p0, ones));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(p1, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 ws =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + g + 8 * h)));
+      const __m256 mn =
+          kInt4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mins + g + 8 * h)))
+                : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * a.nb + b;
+        const __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[i]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), s, acc[r][h]);
+        if (kInt4) acc[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[i]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      __m256 y = acc[r][h];
+      if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + 8 * h));
+      _mm256_storeu_ps(out + r * ldo + 8 * h, y);
+    }
+}
+
+// ----------------------------------------------------------------------------------- AVX-512 VNNI
+// The AVX2 path with 16 columns a vector and dpbusd for maddubs + madd + add (exact integers alike).
+
+template <int R, bool kInt4>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const Weights& w, const Acts& a,
+                                                                        int64_t r0, const float* bias,
+                                                                        float* out, int64_t ldo) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int64_t g = (b >> w.gshift) * kTile;
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + g)));
+    const int8_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = a.q + ((r0 + r) * a.nb + b) * kBlock;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = zero;
+    if (kInt4) {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(w.codes + (4 * b + p) * 64);
+        const __m512i lo = _mm512_and_si512(v, nibble),
+                      hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq[r] + 8 * p, 4);
+          std::memcpy(&x1, xq[r] + 8 * p + 4, 4);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(x0));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x1));
+        }
+      }
+    } else {
+      for (int l = 0; l < 8; ++l) {
+        const __m512i v = _mm512_loadu_si512(w.codes + (8 * b + l) * 64);
+        const __m512i av = _mm512_abs_epi8(v);
+        const __mmask64 negative = _mm512_movepi8_mask(v);
+        for (int r = 0; r < R; ++r) {
+          int32_t x;
+          std::memcpy(&x, xq[r] + 4 * l, 4);
+          const __m512i xb = _mm512_set1_epi32(x);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], av, _mm512_mask_sub_epi8(xb, negative, zero, xb));
+        }
+      }
+    }
+    const __m512 mn = kInt4
+                          ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + g)))
+                          : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * a.nb + b;
+      const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+      if (kInt4) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 y = acc[r];
+    if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(out + r * ldo, y);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ driver
+
+template <bool kInt4>
+void rows_of_tile(int64_t isa, const Weights& w, const Acts& a, int64_t rows, const float* bias, float* out,
+                  int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+    float* o = out + r0 * ldo;
+    if (isa == kScalar) {
+      tile_scalar<kInt4>(w, a, r0, n, bias, o, ldo);
+      continue;
+    }
+#define SPECSERVE_TILE(R)                            \
+  case R:                                            \
+    if (isa == kAvx512)                              \
+      tile_avx512<R, kInt4>(w, a, r0, bias, o, ldo); \
+    else                                             \
+      tile_avx2<R, kInt4>(w, a, r0, bias, o, ldo);   \
+    break;
+    switch (n) {
+      SPECSERVE_TILE(1)
+      SPECSERVE_TILE(2)
+      SPECSERVE_TILE(3)
+      SPECSERVE_TILE(4)
+    }
+#undef SPECSERVE_TILE
+  }
+}
+
+int64_t resolve_isa(int64_t isa) {
+  static const int64_t best = best_isa();
+  TORCH_CHECK(isa <= best, "specserve qlinear: path ", isa, " is not supported by this CPU (best ", best,
+              ")");
+  return isa < 0 ? best : isa;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x: contiguous fp32 [M, K]");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
+  isa = resolve_isa(isa);
+  const int64_t m = x.size(0), nb = x.size(1) / kBlock;
+  at::Tensor q = at::empty({m, nb * kBlock}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({m, nb}, x.options()), sum = at::empty({m, nb}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *sp = scale.data_ptr<float>(), *up = sum.data_ptr<float>();
+  for (int64_t i = 0; i < m * nb; ++i) {
+    if (isa == kScalar)
+      quantize_block_scalar(xp + i * kBlock, qp + i * kBlock, sp + i, up + i);
+    else
+      quantize_block_avx2(xp + i * kBlock, qp + i * kBlock, sp + i, up + i);
+  }
+  return {q, scale, sum};
+}
+
+at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                   int64_t isa) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.is_contiguous(),
+              "codes: packed [N/16, _, 64]");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.scalar_type() == at::kHalf &&
+                  scales.is_contiguous(),
+              "scales: fp16 [N/16, K/G, 16]");
+  const int64_t tiles = codes.size(0), n = tiles * kTile, k = x.size(1);
+  TORCH_CHECK(codes.size(1) * (int4 ? 8 : 4) == k, "codes do not match K = ", k);
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(scales.size(0) == tiles && groups > 0 && k % groups == 0, "scales do not match the codes");
+  const int64_t per_group = k / groups / kBlock;
+  TORCH_CHECK(per_group > 0 && (per_group & (per_group - 1)) == 0 && per_group * kBlock * groups == k,
+              "group size must be 32 times a power of two");
+  if (int4)
+    TORCH_CHECK(
+        mins && mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf && mins->is_contiguous(),
+        "mins: like scales");
+  if (bias)
+    TORCH_CHECK(
+        bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+        "bias: contiguous fp32 [N]");
+  isa = resolve_isa(isa);
+  const auto [q, scale, sum] = quantize_rows(x, isa);
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock};
+  const int gshift = __builtin_ctzll(per_group);
+  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = int4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t tile_bytes = codes.size(1) * 64;
+  // split over output tiles only: every element is computed the same way whatever the thread count
+  const int64_t grain = std::max<int64_t>(1, 32768 / (k * std::min<int64_t>(m, kRows)));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Weights w{cp + t * tile_bytes, sp + t * groups * kTile, mp ? mp + t * groups * kTile : nullptr,
+                      gshift};
+      const float* b = bp ? bp + t * kTile : nullptr;
+      if (int4)
+        rows_of_tile<true>(isa, w, acts, m, b, op + t * kTile, n);
+      else
+        rows_of_tile<false>(isa, w, acts, m, b, op + t * kTile, n);
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "int4 codes: uint8");
+  return qlinear(true, x, codes, scales, mins, bias, isa);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "int8 codes: int8");
+  return qlinear(false, x, codes, scales, c10::nullopt, bias, isa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specserve, m) {
+  m.def("best_isa() -> int", &best_isa);
+  m.def("quantize_rows(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_rows);
+  m.def(
+      "int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias=None, int isa=-1) -> "
+      "Tensor",
+      &int4_linear);
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias=None, int isa=-1) -> Tensor",
+        &int8_linear);
+}

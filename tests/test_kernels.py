@@ -1,0 +1,173 @@
+"""The compiled int4 / int8 kernels (specserve/layers/kernels): activation quantization, every ISA path
+bitwise equal to the scalar one, batch invariance (a row's output is bitwise the same whatever M), and
+exactness against references in torch; the build's fallback. Skipped where the kernels are not built
+(SPECSERVE_NO_KERNELS=1, no compiler): the layers then run on torch's kernel (tests/test_quant.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specserve.layers import kernels
+from specserve.layers.quant import (
+    Int4Linear,
+    Int8Linear,
+    pack_groups,
+    pack_int4_codes,
+    pack_int8_codes,
+    unpack_groups,
+    unpack_int4_codes,
+    unpack_int8_codes,
+)
+
+ops = kernels.load_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="specserve's kernels are not built here")
+ISAS = list(range(ops.best_isa() + 1)) if ops is not None else []  # 0 scalar, 1 AVX2, 2 AVX-512 VNNI
+SHAPES = [(64, 16, 32), (256, 48, 32), (256, 32, 64), (512, 16, 128)]  # (K, N, group size)
+
+
+def quantize_rows_reference(x: torch.Tensor):
+    """The kernel's activation quantization in torch: per block of 32, codes round(x * 127 / max|x|)."""
+    blocks = x.reshape(len(x), -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)
+    scale = amax / 127
+    return q.reshape(x.shape), scale, scale * q.sum(-1, dtype=torch.int32).float()
+
+
+def random_int4(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half().float()
+    mins = (torch.randn(n, k // group, generator=g) * 0.05).half().float()
+    return q, scales, mins
+
+
+def random_int8(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)  # -128 too: Q8_0 may hold it
+    return q, (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half().float()
+
+
+def int4_call(q, scales, mins, bias=None):
+    packed, s, m = pack_int4_codes(q), pack_groups(scales), pack_groups(mins)
+    return lambda x, isa=-1: ops.int4_linear(x, packed, s, m, bias, isa)
+
+
+def int8_call(q, scales, bias=None):
+    packed, s = pack_int8_codes(q), pack_groups(scales)
+    return lambda x, isa=-1: ops.int8_linear(x, packed, s, bias, isa)
+
+
+def inputs(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    """Rows of different magnitudes, a zero block and a lone outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]
+    x[0, :32] = 0
+    x[-1, 40] = 300.0
+    return x
+
+
+def test_layouts_round_trip():
+    q, scales, _ = random_int4(48, 256, 64)
+    assert torch.equal(unpack_int4_codes(pack_int4_codes(q)), q)
+    assert torch.equal(unpack_groups(pack_groups(scales)), scales)
+    q8, _ = random_int8(32, 128, 32)
+    assert torch.equal(unpack_int8_codes(pack_int8_codes(q8)), q8)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_quantization_equals_the_reference_bitwise(isa):
+    x = inputs(5, 256)
+    for got, want in zip(ops.quantize_rows(x, isa), quantize_rows_reference(x)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k,n,group", SHAPES)
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_every_path_equals_the_scalar_one_and_rows_do_not_depend_on_m(mode, k, n, group):
+    """Bitwise: each ISA path against the scalar path, and each row of an M-row call (M = 1..16, and a
+    prefill-sized 37) against that row computed alone."""
+    weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
+    bias = torch.randn(n)
+    call = (int4_call if mode == "int4" else int8_call)(*weights, bias)
+    x = inputs(37, k)
+    scalar = call(x, 0)
+    for isa in ISAS:
+        alone = torch.cat([call(x[i : i + 1], isa) for i in range(len(x))])
+        assert torch.equal(alone, scalar), f"path {isa} differs from the scalar one"
+        for m in [*range(1, 17), 37]:
+            assert torch.equal(call(x[:m], isa), alone[:m]), f"path {isa}, M = {m}"
+
+
+@pytest.mark.parametrize("k,n,group", SHAPES)
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_kernel_equals_the_reference_with_the_same_activation_codes(mode, k, n, group):
+    """Against torch with the same int8 activations: exact integer dot products per block, so only the
+    order in which the fp32 block terms are summed differs (the kernel adds them in order with fma)."""
+    weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
+    call = (int4_call if mode == "int4" else int8_call)(*weights)
+    x = inputs(16, k)
+    xq, xs, xsum = quantize_rows_reference(x)
+    q = weights[0].to(torch.int64).reshape(n, -1, 32)
+    dots = torch.einsum("mbi,nbi->mnb", xq.to(torch.int64).reshape(16, -1, 32), q).double()
+    per_block = lambda v: v.repeat_interleave(group // 32, dim=1)  # [N, K / G] -> [N, K / 32]
+    # each block term exactly (float64), with the one fp32 product the kernel rounds: weight x input scale
+    terms = [dots * (per_block(weights[1])[None] * xs[:, None]).double()]
+    if mode == "int4":
+        terms.append(per_block(weights[2])[None].double() * xsum[:, None].double())
+    reference = sum(t.sum(-1) for t in terms)
+    bound = 2 * (k // 32) * 2**-24 * sum(t.abs().sum(-1) for t in terms)  # one rounding per fma
+    assert ((call(x).double() - reference).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_layer_on_the_kernel_against_the_dequantized_fp32_matmul(mode):
+    """The int8 rounding of the activations is the error: at most half a step (max|x| / 127 per block of
+    32) times the weights it meets, and about 0.5% of the output's scale on random data."""
+    k, n = 512, 64
+    x = inputs(8, k)
+    weights = random_int4(n, k, 32) if mode == "int4" else random_int8(n, k, 32)
+    q, scales = weights[0], weights[1]
+    if mode == "int4":  # the layer takes w = (q - 8) * s + z
+        layer = Int4Linear(q, scales, weights[2] + 8 * scales, use_kernel=True)
+    else:
+        layer = Int8Linear(q, scales, use_kernel=True)
+    assert layer.on_kernel
+    ref = x @ layer.weight.t()
+    y = layer(x)
+    steps = x.abs().reshape(8, -1, 32).amax(-1) / 127
+    bound = 0.5 * steps @ layer.weight.abs().reshape(n, -1, 32).sum(-1).t() + 1e-5 * (
+        x.abs() @ layer.weight.abs().t()
+    )
+    assert ((y - ref).abs() <= bound).all()
+    assert ((y - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.01
+
+
+def test_empty_input_and_shape_checks():
+    call = int4_call(*random_int4(16, 64, 32))
+    assert call(torch.zeros(0, 64)).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        ops.quantize_rows(torch.zeros(2, 40))
+    with pytest.raises(RuntimeError, match="codes do not match"):
+        call(torch.zeros(2, 96))
+
+
+def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "qlinear.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.load_ops() is None and kernels.ops() is None
+        assert kernels.isa_name() == "torch"
+    assert len(caplog.records) == 1 and "unavailable" in caplog.records[0].getMessage()
+    # and the layers then take torch's kernel
+    monkeypatch.setenv(kernels.ENV_VAR, "1")
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert kernels.disabled() and kernels.load_ops() is None
+    assert not Int4Linear(*random_int4(16, 64, 32)).on_kernel
