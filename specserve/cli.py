@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 
@@ -100,6 +101,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("RANK", "0") != "0":
+        from specserve.parallel import executor, worker
+
+        if executor.launched_by_torchrun():  # a launcher started this command on every rank: rank 0 runs it
+            return worker.main([])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -39,6 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--quantization", choices=QUANTIZATION_MODES, default=None, help="weight-only quantized linear layers"
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes (tensor parallelism; docs/tensor-parallel.md)",
+    )
+    parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -67,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         state_checkpoint_interval=args.state_checkpoint_interval,
         speculative_config=args.speculative_config,

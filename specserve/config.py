@@ -224,6 +224,8 @@ class EngineConfig:
     # Hybrid targets with prefix caching: the recurrent state is kept at every multiple of this many
     # tokens (a multiple of block_size; 64 keeps the chunked delta rule's chunks where they would be).
     state_checkpoint_interval: int = 256
+    # Processes the target model is split over (tensor parallelism, specserve/parallel/); 1: no split.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -266,6 +268,12 @@ class EngineConfig:
             and self.state_checkpoint_interval % self.block_size == 0,
             f"state_checkpoint_interval must be a positive multiple of block_size ({self.block_size}), "
             f"got {self.state_checkpoint_interval!r}",
+        )
+        _check(
+            isinstance(self.tensor_parallel_size, int)
+            and not isinstance(self.tensor_parallel_size, bool)
+            and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
         )
 
     @property

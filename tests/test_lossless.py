@@ -149,15 +149,28 @@ GREEDY_PROMPTS = [[1, 2, 3], [9, 9, 4, 0, 11, 2, 5, 6], [14]]
 
 
 def sampled_joint(
-    target_dir: str, spec: dict, params: SamplingParams, length: int, num_samples: int = NUM_SAMPLES
+    target_dir: str,
+    spec: dict,
+    params: SamplingParams,
+    length: int,
+    num_samples: int = NUM_SAMPLES,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     llm = LLM(
-        target_dir, max_model_len=64, max_num_seqs=1024, max_num_batched_tokens=8192, speculative_config=spec
+        target_dir,
+        max_model_len=64,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        speculative_config=spec,
+        tensor_parallel_size=tensor_parallel_size,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Greedy requests on other prompts ride in the same batches and must come out as plain greedy does.
     mixed = GREEDY_PROMPTS * 20 + [PROMPT] * num_samples
-    outs = llm.generate(mixed, [greedy] * (len(mixed) - num_samples) + [params] * num_samples)
+    try:
+        outs = llm.generate(mixed, [greedy] * (len(mixed) - num_samples) + [params] * num_samples)
+    finally:
+        llm.engine.close()  # tensor-parallel workers
     plain = LLM(target_dir, max_model_len=64).generate(GREEDY_PROMPTS, greedy)
     assert [o.outputs[0].token_ids for o in outs[: len(GREEDY_PROMPTS)]] == [
         o.outputs[0].token_ids for o in plain
@@ -232,6 +245,14 @@ def test_speculative_sampling_matches_the_target_distribution(drafter, case, mod
     n = NUM_SAMPLES if drafter == "draft_model" and case in REFERENCE_CASES else DRAFTER_SAMPLES
     counts = sampled_joint(target_dir, drafters[drafter], params, 3, n)
     assert chi_square_pvalue(counts, exact, n) > 0.001
+
+
+def test_speculative_sampling_matches_the_target_distribution_at_tp2(models, drafters):
+    """The target split over 2 gloo ranks (1 KV head, replicated; logits gathered over the vocabulary)."""
+    reference, target_dir, _, _ = models
+    params = CASES["temperature_1"]
+    counts = sampled_joint(target_dir, drafters["dspark_vanilla"], params, 3, DRAFTER_SAMPLES, 2)
+    assert chi_square_pvalue(counts, exact_joint(reference, params, 3), DRAFTER_SAMPLES) > 0.001
 
 
 def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):

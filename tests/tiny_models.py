@@ -105,10 +105,13 @@ def _model_class(arch: str):
     }[arch]
 
 
-def build_reference(arch: str, seed: int = 0):
-    """A transformers model with all parameters randomised (norm weights included), in eval mode."""
+def build_reference(arch: str, seed: int = 0, **overrides):
+    """A transformers model with all parameters randomised (norm weights included), in eval mode;
+    `overrides` change fields of the arch's tiny config."""
     torch.manual_seed(seed)
     config = _configs()[arch] if arch in ARCHS else _hybrid_configs()[arch]
+    if overrides:
+        config = type(config).from_dict({**config.to_dict(), **overrides})
     model = _model_class(arch)(config).eval()
     with torch.no_grad():
         for p in model.parameters():

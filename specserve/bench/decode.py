@@ -66,7 +66,7 @@ def make_prompts(tokenizer, batch_size: int, prompt_len: int) -> list[list[int]]
     return [ids[i * stride : i * stride + prompt_len] for i in range(batch_size)]
 
 
-def _time_specserve(llm: LLM, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
+def time_specserve(llm: LLM, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -110,7 +110,7 @@ def run_decode_benchmark(
     rows = []
     for bs in batch_sizes:
         prompts = make_prompts(llm.tokenizer, bs, prompt_len)
-        ours = _time_specserve(llm, prompts, new_tokens)
+        ours = time_specserve(llm, prompts, new_tokens)
         row = {
             "batch_size": bs,
             "specserve": asdict(ours),

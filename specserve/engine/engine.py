@@ -26,6 +26,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.models.generation_config import DEFAULT_MAX_MODEL_LEN, context_length, eos_token_ids
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
+from specserve.parallel.executor import TensorParallelExecutor
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
 from specserve.structured.grammar import GrammarCompiler
@@ -41,9 +42,22 @@ class LLMEngine:
         self.config = config
         spec_config = SpeculativeConfig.from_value(speculative_config)  # a typo fails before loading
         self.model_dir = resolve_model(config.model, revision=config.revision)
-        self.model, hf_config, self.tokenizer = load_model(
-            str(self.model_dir), dtype=config.torch_dtype, quantization=config.quantization
-        )
+        # Tensor parallelism: worker ranks load their shards while this process (rank 0) loads its own.
+        split = config.tensor_parallel_size > 1
+        self.parallel = TensorParallelExecutor(config.tensor_parallel_size) if split else None
+        try:
+            self._build(config, spec_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, spec_config: SpeculativeConfig | None) -> None:
+        load_args = {"model": str(self.model_dir), "dtype": config.torch_dtype}
+        load_args["quantization"] = config.quantization
+        if self.parallel is not None:
+            self.parallel.load(**load_args)
+        shard = self.parallel.shard if self.parallel is not None else None
+        self.model, hf_config, self.tokenizer = load_model(**load_args, shard=shard)
         self.model_config = text_config_of(hf_config)
         self.vocab_size = self.model_config.vocab_size
         context = context_length(self.model_config)
@@ -64,9 +78,11 @@ class LLMEngine:
         if hybrid and self.enable_prefix_caching:
             slots = range(num_slots, num_slots + checkpoints)
             prefix_states = PrefixStates(slots, config.state_checkpoint_interval, config.block_size)
-        self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.torch_dtype, num_slots + checkpoints
-        )
+        runner_args = (num_blocks, config.block_size, config.torch_dtype, num_slots + checkpoints)
+        if self.parallel is not None:
+            self.runner = self.parallel.runner(self.model, *runner_args)
+        else:
+            self.runner = ModelRunner(self.model, *runner_args)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -106,7 +122,13 @@ class LLMEngine:
             enable_prefix_caching=self.enable_prefix_caching,
             eos_token_ids=self.eos_token_ids,
             generator=self.generator,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     @property
     def spec_stats(self) -> SpecStats:

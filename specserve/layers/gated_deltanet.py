@@ -282,6 +282,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
         self.act = activation(config.hidden_act)
+        # q | k | v blocks, each split across tensor-parallel ranks on its own (models/sharding.py)
+        qkv = (self.key_dim, self.key_dim, value_dim)
+        self.tp_segments = {"in_proj_qkv.weight": qkv, "conv1d.weight": qkv}
 
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec(

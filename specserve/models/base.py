@@ -33,6 +33,7 @@ class CausalLM(nn.Module):
     """
 
     config: object
+    weight_shard = None  # a models.sharding.WeightShard when the model is one rank's shard
 
     def forward(
         self,
@@ -87,6 +88,8 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}"
                 )
             param = params[name]
+            if self.weight_shard is not None:  # tensor parallelism: this rank's part of the tensor
+                tensor = self.weight_shard.cut(name, tensor)
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
@@ -102,9 +101,10 @@ def _norm_kwargs(config, gemma4: bool) -> dict:
     return {"eps": config.rms_norm_eps, "offset": 0.0 if gemma4 else 1.0, "scale_in_fp32": True}
 
 
-def _scaled_embedding(weight: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+def _scaled_embedding(embedding: nn.Module, ids: torch.Tensor, scale: float) -> torch.Tensor:
     # HF multiplies by the scale cast to the weight dtype (sqrt(2304) = 48.0 in bf16, not 48.0104...).
-    return F.embedding(ids, weight) * torch.tensor(scale, dtype=weight.dtype).item()
+    rows = embedding(ids)
+    return rows * torch.tensor(scale, dtype=rows.dtype).item()
 
 
 class GemmaAttention(nn.Module):
@@ -177,6 +177,7 @@ class GemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act = activation(config.hidden_activation)
+        self.tp_segments = {"gate_up_proj": (i, i)}  # gate | up, split across ranks each on its own
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -249,12 +250,12 @@ class GemmaModel(nn.Module):
     def per_layer_inputs(self, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """Gemma 4 PLE [N, layers, ple]: (norm(proj(embeds) / sqrt(H)) + scaled token embedding) / sqrt(2)."""
         shape = (ids.shape[0], len(self.layers), self.ple_size)
-        token = _scaled_embedding(self.embed_tokens_per_layer.weight, ids, self.ple_size**0.5).view(shape)
+        token = _scaled_embedding(self.embed_tokens_per_layer, ids, self.ple_size**0.5).view(shape)
         context = self.per_layer_model_projection(embeds) * self.hidden_size**-0.5
         return (self.per_layer_projection_norm(context.view(shape)) + token) * 2**-0.5
 
     def forward(self, ids, positions, attn, kv_caches, capture_layers):
-        h = _scaled_embedding(self.embed_tokens.weight, ids, self.hidden_size**0.5)
+        h = _scaled_embedding(self.embed_tokens, ids, self.hidden_size**0.5)
         captured = {-1: h} if -1 in capture_layers else {}
         ple = self.per_layer_inputs(ids, h) if self.ple_size else None
         for i, layer in enumerate(self.layers):

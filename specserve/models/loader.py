@@ -23,6 +23,13 @@ from specserve.config import SpecserveError
 from specserve.layers.linear import pack_linears
 from specserve.layers.quant import check_mode, quantize_model
 from specserve.models import local_models
+from specserve.models.sharding import (
+    Shard,
+    WeightShard,
+    finish_sharded_load,
+    full_parameter_shapes,
+    shard_config,
+)
 
 # What snapshot_download fetches: config, weights, tokenizer and chat template files, nothing else.
 HUB_ALLOW_PATTERNS = [
@@ -244,29 +251,40 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     revision: str | None = None,
     quantization: str | None = None,
+    shard: Shard | None = None,
 ):
     """Resolve `model`, build our implementation and load its weights: (model, config, tokenizer or None).
 
     `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
     model converted from a GGUF file that is still present is then read from that file, its quantized
     blocks mapped straight into our formats where they match (`models/gguf.py`); otherwise the fp32
-    weights are loaded and quantized in memory."""
+    weights are loaded and quantized in memory. `shard` (tensor parallelism) builds and loads only that
+    rank's part of the model (`models/sharding.py`); its quantized layers are quantized from the fp32
+    weights of the shard."""
     from specserve.models import gguf
-    from specserve.models.registry import build_model
+    from specserve.models.registry import build_model, model_class, text_config_of
 
     if quantization is not None:
         check_mode(quantization)
     model_dir = resolve_model(model, revision=revision)
     config = load_hf_config(model_dir)
+    world_size = shard.world_size if shard is not None else 1
     try:
-        net = build_model(config, dtype)
+        net = build_model(shard_config(text_config_of(config), world_size), dtype)
+        if world_size > 1:
+            full_shapes = full_parameter_shapes(model_class(text_config_of(config)), text_config_of(config))
     except ValueError as exc:
         raise SpecserveError(f"{model}: {exc}") from exc
-    source = gguf.gguf_source(model_dir) if quantization else None
+    if world_size > 1:
+        net.config = text_config_of(config)  # checkpoint layouts are read off the whole model's config
+        net.weight_shard = WeightShard(shard, full_shapes, net)
+    source = gguf.gguf_source(model_dir) if quantization and world_size == 1 else None
     if source is not None:
         net.load_weights(gguf.load_quantized(source, net, quantization))
     else:
         net.load_weights(iter_checkpoint_tensors(model_dir))  # copy_ casts each tensor to `dtype`
+    if world_size > 1:
+        finish_sharded_load(net, full_shapes, shard)
     net.eval()
     if quantization:
         quantize_model(net, quantization)  # everything not read quantized from a GGUF (a tied head, ...)

@@ -30,16 +30,21 @@ def text_config_of(config):
     return getattr(config, "text_config", None) or config
 
 
-def build_model(config, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """An uninitialised model for `config` (weights are loaded afterwards)."""
-    config = text_config_of(config)
+def model_class(config) -> type[CausalLM]:
+    """Our implementation of a (text) config's model_type."""
     model_type = getattr(config, "model_type", None)
     if model_type not in _MODELS:
         raise ValueError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
         )
     module, cls = _MODELS[model_type]
-    model_cls = getattr(importlib.import_module(module), cls)
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_model(config, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """An uninitialised model for `config` (weights are loaded afterwards)."""
+    config = text_config_of(config)
+    model_cls = model_class(config)
     with torch.device("meta"):
         model = model_cls(config)
     return model.to_empty(device="cpu").to(dtype)

@@ -29,6 +29,7 @@ from specserve.core.sequence import RequestMetrics, Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import CompletionOutput, RequestOutput
+from specserve.parallel.group import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +100,13 @@ class RequestStream:
         self.engine_ids = [f"{request_id}-{i}" for i in range(num_choices)]
         self._owner = owner
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[EngineUpdate | RequestFailed] = asyncio.Queue()
+        self._queue: asyncio.Queue[EngineUpdate | Exception] = asyncio.Queue()
         self.admitted: asyncio.Future[None] = self._loop.create_future()
         self._unfinished = set(range(num_choices))
         self._closed = False
 
     # ---- engine thread side ---------------------------------------------------------------------------
-    def push(self, item: EngineUpdate | RequestFailed) -> None:
+    def push(self, item: EngineUpdate | Exception) -> None:
         self._call_soon(self._queue.put_nowait, item)
 
     def settle_admission(self, error: Exception | None) -> None:
@@ -125,7 +126,7 @@ class RequestStream:
         if not self._unfinished:
             raise StopAsyncIteration
         item = await self._queue.get()
-        if isinstance(item, RequestFailed):
+        if isinstance(item, Exception):  # RequestFailed, or EngineUnavailable when the engine stopped
             raise item
         if item.finished:
             self._unfinished.discard(item.index)
@@ -386,6 +387,11 @@ class AsyncEngine:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
+        except TensorParallelError as exc:  # a rank died or hung: this engine cannot step again
+            logger.error("the engine stopped: %s", exc)
+            self._fail(list(self._live), f"the engine stopped: {exc}", EngineUnavailable)
+            self._stopped = True
+            return []
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it was running")
             running = [s.request_id for s in self.engine.scheduler.running]
@@ -425,7 +431,7 @@ class AsyncEngine:
             self.engine.abort(engine_id)
             self._deliver(self.engine.final_output(live.seq))
 
-    def _fail(self, engine_ids: list[str], message: str) -> None:
+    def _fail(self, engine_ids: list[str], message: str, error: type[Exception] = RequestFailed) -> None:
         for engine_id in engine_ids:
             live = self._live.pop(engine_id, None)
             try:
@@ -433,7 +439,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("aborting failed request %s", engine_id)
             if live is not None:
-                live.stream.push(RequestFailed(message))
+                live.stream.push(error(message))
 
     def _publish_snapshot(self) -> None:
         stats, spec = self.engine.spec_stats, self.engine.speculator

@@ -106,5 +106,8 @@ def serve(
         port=port,
         timeout_graceful_shutdown=drain_timeout_s + UVICORN_SHUTDOWN_MARGIN_S,
     )
-    DrainingServer(config, async_engine, drain_timeout_s).run()
+    try:
+        DrainingServer(config, async_engine, drain_timeout_s).run()
+    finally:
+        engine.close()  # tensor-parallel workers
     return 0

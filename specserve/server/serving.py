@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from specserve.server.async_engine import AsyncEngine, RequestFailed, RequestStream
+from specserve.server.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
 from specserve.server.generation import Generation
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ErrorInfo, ErrorResponse
@@ -85,10 +85,11 @@ class _EventStream(StreamingResponse):
             if generation.include_usage:
                 yield _event(generation.usage_chunk())
             self._outcome = _outcome(generation)
-        except RequestFailed as exc:
+        except (RequestFailed, EngineUnavailable) as exc:
             self._outcome = "error"
             # The status line went out with the first event; the error travels in the stream, as in vLLM.
-            yield _event(ErrorResponse(error=ErrorInfo(message=str(exc), type="internal_server_error")))
+            kind = "service_unavailable" if isinstance(exc, EngineUnavailable) else "internal_server_error"
+            yield _event(ErrorResponse(error=ErrorInfo(message=str(exc), type=kind)))
         yield "data: [DONE]\n\n"
 
 

@@ -27,6 +27,7 @@ class TargetContext:
     enable_prefix_caching: bool  # drafters with a cache of their own cache prefixes too
     eos_token_ids: frozenset[int]
     generator: torch.Generator  # unseeded requests draw from the engine's generator
+    tensor_parallel_size: int = 1  # ranks the target is split over (its runner's cost depends on it)
 
     @property
     def vocab_size(self) -> int:

@@ -117,6 +117,8 @@ def profile_key(target: TargetContext, drafter_model: str | None, num_draft_toke
         "max_num_batched_tokens": target.max_num_batched_tokens,
         "context": DEFAULT_CONTEXT,
         "schema": 2,  # 2: catch_up_s, warm-up, T(B) non-decreasing
+        # only when split, so that single-process profiles cached before keep their keys
+        **({"tensor_parallel_size": target.tensor_parallel_size} if target.tensor_parallel_size > 1 else {}),
     }
 
 

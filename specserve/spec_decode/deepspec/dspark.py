@@ -139,10 +139,9 @@ class TokenIO:
         self.softcap = getattr(config.backbone, "final_logit_softcapping", None) if gemma else None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        x = F.embedding(ids, weight)
+        x = self.embed_tokens(ids)  # the module, not its weight: a target's may be split over ranks
         if self.embed_scale is not None:  # Gemma: sqrt(H) rounded to the weight dtype, as HF does
-            x = x * torch.tensor(self.embed_scale, dtype=weight.dtype).item()
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
         return x
 
     def compute_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""The driver's side of tensor parallelism: start the worker ranks, and run the target's runner on all.
+
+One node: the engine starts `python -m specserve.parallel.worker` once per extra rank (a fresh interpreter,
+so a user's script is never re-run) and they meet over gloo on a free local port. Several nodes: the
+processes come from `torchrun` (or any launcher that sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE); rank 0
+runs the engine and every other rank the worker loop (docs/tensor-parallel.md).
+
+Each step the driver broadcasts the step's metadata (pickled `PieceInput`s: token ids, positions, block
+tables) and every rank runs the forward on its shard; rank 0's logits, hidden states and captured features
+are the whole ones (the residual stream is replicated), so drafters read them there at no extra cost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence as Seq
+
+import torch
+
+from specserve.config import SpecserveError
+from specserve.layers.gated_deltanet import StateCheckpoints
+from specserve.models.sharding import Shard
+from specserve.parallel.group import TensorParallelError, TensorParallelGroup
+from specserve.worker.model_runner import ForwardOutput, ModelRunner, PieceInput
+
+TIMEOUT_ENV = "SPECSERVE_TP_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0  # a collective (or the start-up rendezvous) waits this long for a peer
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def collective_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise SpecserveError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0")
+    return value
+
+
+def launched_by_torchrun() -> bool:
+    return all(os.environ.get(name) for name in LAUNCHER_ENV)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Ranks on one node share its cores: each takes its share of the driver's torch threads."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, torch.get_num_threads() // max(1, local))
+
+
+class ShardedRunner:
+    """The target's `ModelRunner` on every rank at once. On the driver each call is a command the workers
+    run too; results that stay on a rank (hidden states, state checkpoints) are the last forward's."""
+
+    def __init__(self, runner: ModelRunner, group: TensorParallelGroup):
+        self.runner = runner
+        self.group = group
+        self.last: ForwardOutput | None = None
+        handlers = {"forward": self._forward, "score": self._score, "roll_back": self._roll_back}
+        group.handlers.update(handlers, copy_states=runner.copy_states)
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    def forward(
+        self, pieces: Seq[PieceInput], logit_rows: Seq[int], capture_layers: Seq[int] = ()
+    ) -> ForwardOutput:
+        return self.group.run("forward", list(pieces), list(logit_rows), tuple(capture_layers))
+
+    def score(self, hidden: torch.Tensor, rows: Seq[int], token_ids: Seq[int], num_top: int):
+        if self.last is None or hidden is not self.last.hidden:
+            raise ValueError("under tensor parallelism only the last forward's hidden states can be scored")
+        return self.group.run("score", list(rows), list(token_ids), num_top)
+
+    def roll_back_states(self, checkpoints: StateCheckpoints | None, keep: dict[int, int]) -> None:
+        if checkpoints is None:
+            return
+        if self.last is None or checkpoints is not self.last.checkpoints:
+            raise ValueError("under tensor parallelism only the last forward's states can be rolled back")
+        self.group.run("roll_back", keep)
+
+    def copy_states(self, src: int, dst: int) -> None:
+        self.group.run("copy_states", src, dst)
+
+    def _forward(self, pieces, logit_rows, capture_layers) -> ForwardOutput:
+        self.last = self.runner.forward(pieces, logit_rows, capture_layers)
+        return self.last
+
+    def _score(self, rows, token_ids, num_top):
+        return self.runner.score(self.last.hidden, rows, token_ids, num_top)
+
+    def _roll_back(self, keep) -> None:
+        self.runner.roll_back_states(self.last.checkpoints, keep)
+
+
+class TensorParallelExecutor:
+    """Starts (or joins) the worker ranks; `load` and `runner` set them up like the driver."""
+
+    def __init__(self, world_size: int):
+        if torch.distributed.is_initialized():
+            raise SpecserveError("a tensor-parallel engine is already running in this process")
+        self.world_size = world_size
+        self.workers: list[subprocess.Popen] = []
+        timeout = collective_timeout()
+        if launched_by_torchrun():
+            launched = int(os.environ["WORLD_SIZE"])
+            if launched != world_size or int(os.environ["RANK"]) != 0:
+                raise SpecserveError(
+                    f"tensor_parallel_size={world_size}, but the launcher started WORLD_SIZE={launched} "
+                    f"processes and this one is RANK={os.environ['RANK']}: the engine runs on rank 0"
+                )
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            self.workers = [self._spawn(rank, init_method, timeout) for rank in range(1, world_size)]
+        atexit.register(self.close)
+        self.shard = Shard(0, world_size)
+        try:
+            self.group = TensorParallelGroup(self.shard, init_method, timeout)
+        except TensorParallelError as exc:
+            self.close()
+            raise TensorParallelError(f"{exc}{self.worker_report()}") from exc
+        self.group.describe_failure = self.worker_report
+        torch.set_num_threads(threads_per_rank(world_size))
+
+    def _spawn(self, rank: int, init_method: str, timeout: float) -> subprocess.Popen:
+        command = [sys.executable, "-m", "specserve.parallel.worker", "--rank", str(rank)]
+        command += ["--world-size", str(self.world_size), "--init-method", init_method]
+        return subprocess.Popen(command, env={**os.environ, TIMEOUT_ENV: str(timeout)})
+
+    def worker_report(self) -> str:
+        """Which local workers have exited (with their codes), for error messages."""
+        dead = [
+            f"rank {rank} exited with code {p.returncode}"
+            for rank, p in enumerate(self.workers, start=1)
+            if p.poll() is not None
+        ]
+        return f" ({'; '.join(dead)}; its log is above)" if dead else ""
+
+    def load(self, **load_args) -> None:
+        """Workers load their shards (`load_model` arguments) while the driver loads its own."""
+        self.group.send(("load", {**load_args, "threads": torch.get_num_threads()}))
+
+    def runner(
+        self, model, num_blocks: int, block_size: int, dtype: torch.dtype, num_slots: int
+    ) -> ShardedRunner:
+        self.group.install(model)
+        self.group.send(("runner", (num_blocks, block_size, dtype, num_slots)))
+        return ShardedRunner(ModelRunner(model, num_blocks, block_size, dtype, num_slots), self.group)
+
+    def close(self) -> None:
+        """Stop the workers (they also stop by themselves when the driver goes away)."""
+        group = getattr(self, "group", None)
+        if group is not None and group.failure is None:
+            try:
+                group.send(("shutdown", ()))
+            except TensorParallelError:
+                pass
+        for process in self.workers:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if group is not None:
+            group.close()
+        self.group = None
+        self.workers = []
+        atexit.unregister(self.close)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,153 @@
+"""The tensor-parallel process group: collectives inside a forward, and the commands that start one.
+
+Every rank runs the same code over its shard. The driver (rank 0, inside the engine) decides what runs:
+`run(name, *args)` broadcasts the command's name and its small arguments (the step's metadata: token ids,
+positions, block tables) to the workers, then runs it itself; each worker's loop receives the command and
+runs the same handler, so all ranks meet at the same collectives. Tensors cross ranks only inside a
+forward: an all-reduce of each block's [tokens, hidden] output and a gather of the logits rows asked for.
+
+Two gloo groups: commands travel on one whose timeout is effectively infinite (a worker waits for the next
+step as long as the engine is idle), collectives on one with `timeout_s`, so a peer that died or hangs ends
+the step with `TensorParallelError` instead of a hang. (The engine runs on CPU; on CUDA the collectives
+would go to NCCL.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from specserve.config import SpecserveError
+from specserve.models.sharding import PARTIAL_BLOCKS, Shard
+from specserve.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a worker waits for its next command
+
+
+class TensorParallelError(SpecserveError):
+    """A collective failed: a rank died, hung past the timeout, or could not join."""
+
+
+def _collective(what: str):
+    """A group method that talks to the other ranks: once one has failed, the group is done (every later
+    call fails at once with the first error instead of waiting on a dead peer)."""
+
+    def wrap(fn):
+        def run(group: TensorParallelGroup, *args, **kwargs):
+            if group.failure is not None:
+                raise group.failure
+            try:
+                return fn(group, *args, **kwargs)
+            except (RuntimeError, dist.DistError) as exc:
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                peers = group.describe_failure()
+                group.failure = TensorParallelError(
+                    f"tensor-parallel {what} failed: {reason}{peers}; the engine has stopped"
+                )
+                raise group.failure from exc
+
+        return run
+
+    return wrap
+
+
+class TensorParallelGroup:
+    def __init__(self, shard: Shard, init_method: str, timeout_s: float):
+        self.shard = shard
+        self.timeout_s = timeout_s
+        self.failure: TensorParallelError | None = None
+        self.describe_failure: Callable[[], str] = lambda: ""  # the executor says which workers exited
+        self._join(init_method)
+        self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.handlers: dict[str, Callable] = {}
+        self.in_command = shard.rank != 0  # a worker only ever runs inside a command
+        # What crosses ranks, counted on this rank: pickled command bytes the driver broadcast, and the
+        # bytes of the tensors it entered into all-reduces and all-gathers (each rank's own share).
+        self.command_bytes = 0
+        self.collective_bytes = 0
+
+    @_collective("start-up (a rank did not join)")
+    def _join(self, init_method: str) -> None:
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=self.shard.rank,
+            world_size=self.shard.world_size,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
+
+    @property
+    def is_driver(self) -> bool:
+        return self.shard.rank == 0
+
+    # ---- collectives (inside a forward) -------------------------------------------------------------
+    @_collective("all-reduce")
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.collective_bytes += t.numel() * t.element_size()
+        dist.all_reduce(t)
+        return t
+
+    @_collective("all-gather")
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.collective_bytes += t.numel() * t.element_size()
+        parts = [torch.empty_like(t) for _ in range(self.shard.world_size)]
+        dist.all_gather(parts, t.contiguous())
+        return parts
+
+    # ---- commands ---------------------------------------------------------------------------------------
+    def run(self, name: str, *args):
+        """Driver: run command `name` on every rank and return the driver's result."""
+        handler = self.handlers[name]
+        if self.in_command:  # already inside one (the LM head inside a forward)
+            return handler(*args)
+        self.send((name, args))
+        self.in_command = True
+        try:
+            return handler(*args)
+        finally:
+            self.in_command = False
+
+    @_collective("command broadcast")
+    def send(self, command: tuple) -> None:
+        """Driver: broadcast a command to the workers (without running it here)."""
+        self.command_bytes += len(pickle.dumps(command))
+        dist.broadcast_object_list([command], src=0, group=self.commands)
+
+    @_collective("command receive")
+    def receive(self) -> tuple[str, tuple]:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.commands)
+        return box[0]
+
+    def serve(self) -> None:
+        """Worker: run the driver's commands until it sends `shutdown`."""
+        while True:
+            name, args = self.receive()
+            if name == "shutdown":
+                return
+            self.handlers[name](*args)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- the model's collectives ------------------------------------------------------------------------
+    def install(self, model: nn.Module) -> None:
+        """Sum every decoder layer's partial blocks across ranks, and make the embedding and the LM head
+        whole again (`vocab.py`). Call after quantizing and packing (they replace linear layers)."""
+        for layer in model.model.layers:
+            for name in PARTIAL_BLOCKS:
+                block = getattr(layer, name, None)
+                if isinstance(block, nn.Module):
+                    block.register_forward_hook(lambda _m, _in, out: self.all_reduce(out))
+        vocab = model.config.vocab_size
+        embedding = VocabParallelEmbedding(model.model.embed_tokens, model.vocab_start, vocab, self)
+        model.model.embed_tokens = embedding
+        model.lm_head = head = VocabParallelHead(model.lm_head, vocab, self)
+        self.handlers.update(embed=embedding, embed_weight=embedding.gather_weight)
+        self.handlers.update(head=head, head_weight=head.gather_weight)
