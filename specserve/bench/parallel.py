@@ -3,11 +3,12 @@ tokens equal TP=1's.
 
     python -m specserve.bench.parallel --model qwen2.5-coder-0.5b --tp 1 2 --batch-sizes 1 8
 
-Per (TP size, batch size): decode tokens/s after the first token, and per engine step the command bytes the
-driver broadcast (the step's metadata) and the bytes rank 0 entered into collectives (an all-reduce of each
-block's [tokens, hidden] output, the gathered logits rows); the figures come from the group's counters, not
-from a formula. On one node the ranks share its cores (each takes cores / TP threads), so on a machine whose
-decode is bound by memory bandwidth TP cannot be faster than one process: this measures its overhead.
+Per (TP size, batch size): decode tokens/s after the first token; per decode step, and per prompt token
+of the prefill, the command bytes the driver broadcast (the step's metadata) and the bytes rank 0 entered
+into collectives (an all-reduce of each block's [tokens, hidden] output, the embedding's, the gathered
+logits rows). The figures come from the group's counters, not from a formula. On one node the ranks
+share its cores (each takes cores / TP threads), so on a machine whose decode is bound by memory bandwidth
+TP cannot be faster than one process: this measures its overhead.
 Writes `tensor-parallel.json` and `tensor-parallel.md` to `--out`.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,28 +29,33 @@ from specserve.llm import LLM
 
 def measure(model: str, tp: int, batch_sizes: list[int], prompt_len: int, new_tokens: int) -> list[dict]:
     threads = torch.get_num_threads()
-    llm = LLM(model, tensor_parallel_size=tp, max_model_len=prompt_len + new_tokens + 16, max_num_seqs=64)
+    # No prefix caching: the prefill-only pass below and the timed run must read the same tokens.
+    llm = LLM(
+        model,
+        tensor_parallel_size=tp,
+        max_model_len=prompt_len + new_tokens + 16,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+    )
     rows = []
     try:
         group = llm.engine.parallel.group if llm.engine.parallel is not None else None
         for batch_size in batch_sizes:
             prompts = make_prompts(llm.tokenizer, batch_size, prompt_len)
             time_specserve(llm, prompts[:1], 4)  # warm-up
-            before = (group.command_bytes, group.collective_bytes) if group is not None else (0, 0)
-            result = time_specserve(llm, prompts, new_tokens)
-            steps = new_tokens  # one prefill step, then one step per further token
+            _, prefill = _counted(group, partial(time_specserve, llm, prompts, 1))
+            result, run = _counted(group, partial(time_specserve, llm, prompts, new_tokens))
             greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
             row = {
                 "tp": tp,
                 "batch_size": batch_size,
                 "threads_per_rank": torch.get_num_threads(),
                 "decode_tokens_per_s": result.decode_tokens_per_s,
-                "tokens": tokens,
+                "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)],
             }
-            if group is not None:
-                row["command_bytes_per_step"] = (group.command_bytes - before[0]) / steps
-                row["collective_bytes_per_step"] = (group.collective_bytes - before[1]) / steps
+            if group is not None:  # one prefill step, then one step per further token
+                row["prefill_bytes_per_prompt_token"] = [b / (batch_size * prompt_len) for b in prefill]
+                row["decode_bytes_per_step"] = [(r - p) / (new_tokens - 1) for r, p in zip(run, prefill)]
             rows.append(row)
             print(f"tp={tp} batch={batch_size}: {result.decode_tokens_per_s:.2f} tok/s", flush=True)
     finally:
@@ -57,22 +64,31 @@ def measure(model: str, tp: int, batch_sizes: list[int], prompt_len: int, new_to
     return rows
 
 
+def _counted(group, run):
+    """run()'s result, and the (command, collective) bytes rank 0 counted while it ran."""
+    if group is None:
+        return run(), (0, 0)
+    before = group.command_bytes, group.collective_bytes
+    result = run()
+    return result, (group.command_bytes - before[0], group.collective_bytes - before[1])
+
+
 def report(rows: list[dict]) -> str:
     single = {r["batch_size"]: r for r in rows if r["tp"] == 1}
     lines = [
-        "| TP | batch | threads/rank | decode tok/s | vs TP=1 | command B/step | collective B/step "
-        "| tokens = TP=1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| TP | batch | threads/rank | decode tok/s | vs TP=1 | decode step: command B | collective B "
+        "| prefill, per token: command B | collective B | tokens = TP=1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         base = single.get(r["batch_size"])
         ratio = f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if base else "-"
         same = "-" if base is None or r["tp"] == 1 else _agreement(r["tokens"], base["tokens"])
-        command = f"{r['command_bytes_per_step']:,.0f}" if "command_bytes_per_step" in r else "-"
-        collective = f"{r['collective_bytes_per_step']:,.0f}" if "collective_bytes_per_step" in r else "-"
+        moved = [*r.get("decode_bytes_per_step", ()), *r.get("prefill_bytes_per_prompt_token", ())]
+        cells = " | ".join(f"{b:,.0f}" for b in moved) if moved else "- | - | - | -"
         lines.append(
             f"| {r['tp']} | {r['batch_size']} | {r['threads_per_rank']} | {r['decode_tokens_per_s']:.2f} "
-            f"| {ratio} | {command} | {collective} | {same} |"
+            f"| {ratio} | {cells} | {same} |"
         )
     return "\n".join(lines)
 

@@ -46,7 +46,8 @@ small: `F.linear` is not invariant (linear.py). Everything around these layers m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -60,6 +61,7 @@ DEFAULT_GROUP_SIZE = 32
 N_MULTIPLE = 16  # the int4 packing works on blocks of 16 output channels
 COMPUTE_DTYPE = torch.bfloat16  # torch's kernel: its vectorized instantiation on x86 (module docstring)
 FP16_MAX = 65504.0  # specserve's kernel stores scales in fp16
+ROWS_PER_CHUNK = 4096  # output rows quantized at once (`_by_rows`)
 FP16_TINY = 2.0**-14  # fp16's smallest normal number: below it, 2^-24 absolute steps
 # The LM head's output is rounded to bf16 by the kernel: logits of ~20 lose ~0.06, enough to reorder near
 # ties. int8 keeps the head fp32 for its accuracy (packed by `pack_linears`, batch invariant); int4 quantizes
@@ -78,13 +80,27 @@ def check_mode(mode: str) -> str:
 # ------------------------------------------------------------------------------------------------ formats
 
 
+def _by_rows(quantize):
+    """Quantize ROWS_PER_CHUNK output rows at a time: each row's codes depend on that row alone, and the
+    fp32 temporaries stay a few MB instead of several copies of the weight (a 151936 x 1536 head: 0.9 GB
+    each) while a model loads."""
+
+    @functools.wraps(quantize)
+    def run(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+        parts = [quantize(rows, group_size) for rows in weight.detach().split(ROWS_PER_CHUNK)]
+        return tuple(torch.cat(chunks) for chunks in zip(*parts, strict=True))
+
+    return run
+
+
+@_by_rows
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [N, K] in 0..15, scales bf16 [N, K / G], zeros bf16 [N, K / G]) with w ~ (q - 8) * s + z.
 
     Scale and zero come from the group's min and max, rounded to bf16 before q is chosen, so that q fits
     the values the kernel will really use."""
     n, k = weight.shape
-    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    groups = weight.float().reshape(n, k // group_size, group_size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp_min(1e-12).to(COMPUTE_DTYPE)
     zeros = (low + 8 * scales.float()).to(COMPUTE_DTYPE)
@@ -103,12 +119,13 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
 Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q, scales, zeros) as quantize_int4 returns
 
 
+@_by_rows
 def quantize_int8(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K] in -127..127, scales float32 [N, K / G]) with w ~ q * s: GGUF Q8_0's format (symmetric,
     s = max|w| / 127 per group). s is rounded to fp16 (what the kernel stores) before q is chosen, except
     below fp16's normal range, where it stays exact."""
     n, k = weight.shape
-    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    groups = weight.float().reshape(n, k // group_size, group_size)
     scales = groups.abs().amax(dim=-1) / 127
     scales = torch.where(scales >= FP16_TINY, scales.half().float(), scales)
     q = torch.round(groups / scales.clamp_min(1e-30)[..., None]).clamp_(-127, 127)
@@ -346,10 +363,25 @@ def quantize_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int = DEFAULT_GROUP_SIZE
 ) -> QuantizedLinear:
     """The quantized layer for a dense fp32 weight (the caller checked `group_size_for`)."""
-    group_size = group_size_for(weight.shape[1], weight.shape[0], group_size)
-    if check_mode(mode) == "int8":
-        return Int8Linear(*quantize_int8(weight, group_size), bias)
-    return Int4Linear(*quantize_int4(weight, group_size), bias)
+    blocks = weight.detach().split(ROWS_PER_CHUNK)
+    return quantize_row_blocks(blocks, tuple(weight.shape), bias, mode, group_size)
+
+
+def quantize_row_blocks(
+    blocks: Iterable[torch.Tensor],
+    shape: tuple[int, int],
+    bias: torch.Tensor | None,
+    mode: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> QuantizedLinear:
+    """`quantize_linear` of an [N, K] weight given as consecutive blocks of its rows (each row's codes
+    depend on that row alone): a loader can dequantize a block, quantize it and drop it, never holding
+    the whole weight in fp32."""
+    group_size = group_size_for(shape[1], shape[0], group_size)
+    quantize = quantize_int8 if check_mode(mode) == "int8" else quantize_int4
+    planes = [torch.cat(p) for p in zip(*(quantize(b, group_size) for b in blocks), strict=True)]
+    layer = Int8Linear if mode == "int8" else Int4Linear
+    return layer(*planes, bias)
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -75,8 +75,12 @@ class CausalLM(nn.Module):
         """Our parameter name for a checkpoint tensor name, or None to skip it. Override to rename."""
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
+        """Copy checkpoint tensors into the parameters; every parameter must be filled exactly once.
+
+        `adopt`: the tensors are the caller's to give away (read from a file for this load), so one that
+        already has the parameter's dtype and owns its memory becomes the parameter's data instead of being
+        copied: a load then never holds a second copy of its largest tensor (the embedding)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
@@ -96,7 +100,10 @@ class CausalLM(nn.Module):
                     f"expected {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(tensor)
+                if adopt and _owns_its_memory(tensor) and tensor.dtype == param.dtype:
+                    param.data = tensor
+                else:
+                    param.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded - self.tied_parameter_names())
         if missing:
@@ -111,3 +118,10 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Called after loading; models with tied embeddings alias lm_head to the embedding here."""
+
+
+def _owns_its_memory(t: torch.Tensor) -> bool:
+    """Its storage is exactly its elements: not a piece of a larger buffer (adopting one would keep all
+    of it alive)."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return whole and t.storage_offset() == 0 and t.is_contiguous()

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import re
 import shutil
@@ -55,7 +57,7 @@ from specserve.layers.quant import (
     Int8Linear,
     QuantizedLinear,
     quantizable_linears,
-    quantize_linear,
+    quantize_row_blocks,
     replace_module,
 )
 
@@ -334,13 +336,29 @@ def plan_tensors(reader, arch: str) -> list[PlannedTensor]:
     return plan
 
 
+DEQUANTIZE_ROWS = 4096  # rows dequantized at once: gguf's numpy dequantizers hold a few temporaries
+
+
 def dequantize_tensor(tensor) -> np.ndarray:
-    """A GGUF tensor as float32 in HF (row-major, outermost-first) shape."""
+    """A GGUF tensor as float32 in HF (row-major, outermost-first) shape, in an array of its own (no view of
+    the file), dequantized a block of rows at a time so that the temporaries stay small."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    out = np.empty((math.prod(shape[:-1]), shape[-1]), dtype=np.float32)
+    start = 0
+    for block in dequantized_row_blocks(tensor.data, tensor.tensor_type):
+        out[start : start + len(block)] = block
+        start += len(block)
+    return out.reshape(shape)
+
+
+def dequantized_row_blocks(raw: np.ndarray, tensor_type) -> Iterator[np.ndarray]:
+    """A GGUF tensor's (or an expert's) rows as float32 [rows, columns] blocks of DEQUANTIZE_ROWS each."""
     from gguf.quants import dequantize
 
-    arr = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.asarray(arr, dtype=np.float32).reshape(shape)
+    rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw[None]
+    for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
+        block = rows[start : start + DEQUANTIZE_ROWS]
+        yield np.asarray(dequantize(block, tensor_type), dtype=np.float32).reshape(len(block), -1)
 
 
 def iter_converted(reader, plan: list[PlannedTensor]) -> Iterator[tuple[PlannedTensor, np.ndarray]]:
@@ -566,9 +584,7 @@ _INT4_DECODERS = {"Q4_0": decode_q4_0, "Q4_K": decode_q4_k}
 
 def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> QuantizedLinear:
     """The quantized layer for one GGUF linear weight: from its blocks when the format maps onto the mode,
-    else dequantized (in memory) and requantized."""
-    from gguf.quants import dequantize
-
+    else dequantized and requantized a block of rows at a time."""
     kind = tensor.tensor_type.name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
     if mode == "int8" and kind == "Q8_0":
@@ -576,8 +592,8 @@ def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> 
     if mode == "int4" and kind in _INT4_DECODERS:
         q, scales, mins = _INT4_DECODERS[kind](raw)
         return Int4Linear(q, scales, mins + 8 * scales, bias)  # zero: the value of the middle code, 8
-    weight = np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32).reshape(plan.shape)
-    return quantize_linear(torch.from_numpy(weight), bias, mode)
+    blocks = (torch.from_numpy(block) for block in dequantized_row_blocks(raw, tensor.tensor_type))
+    return quantize_row_blocks(blocks, plan.shape, bias, mode)
 
 
 def gguf_source(model_dir: Path) -> Path | None:
@@ -610,5 +626,33 @@ def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, tor
             continue
         bias = model.get_submodule(names[0]).bias
         replace_module(model, names, quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias))
-    # copies: F32 tensors come straight from the read-only memory map
-    return ((p.hf_name, torch.from_numpy(np.array(arr))) for p, arr in iter_converted(reader, rest))
+        release_pages(reader)
+    return _as_tensors(reader, iter_converted(reader, rest))
+
+
+def _as_tensors(
+    reader, arrays: Iterator[tuple[PlannedTensor, np.ndarray]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors that own their memory, so that `load_weights` can adopt them: a view (of the read-only
+    memory map, of an expert's slice) is copied, so that nothing keeps the rest of its base alive."""
+    for p, arr in arrays:
+        yield p.hf_name, torch.from_numpy(arr if _owns_its_memory(arr) else arr.copy())
+        release_pages(reader)
+
+
+def _owns_its_memory(arr: np.ndarray) -> bool:
+    """An array that owns its data, or a reshape of one of the same size: not a view of a larger buffer
+    or of the memory map."""
+    root = arr
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root.base is None and root.nbytes == arr.nbytes
+
+
+def release_pages(reader) -> None:
+    """Take the file's pages read so far out of this process's resident memory (the page cache keeps them,
+    so a later read costs a minor fault): a memory map's pages count as the process's own until it is
+    unmapped, which would add the whole file to the peak of a load."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)

@@ -280,9 +280,9 @@ def load_model(
         net.weight_shard = WeightShard(shard, full_shapes, net)
     source = gguf.gguf_source(model_dir) if quantization and world_size == 1 else None
     if source is not None:
-        net.load_weights(gguf.load_quantized(source, net, quantization))
-    else:
-        net.load_weights(iter_checkpoint_tensors(model_dir))  # copy_ casts each tensor to `dtype`
+        net.load_weights(gguf.load_quantized(source, net, quantization), adopt=True)
+    else:  # each tensor is read for this load: adopted, or copied (cast) into a `dtype` parameter
+        net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
     if world_size > 1:
         finish_sharded_load(net, full_shapes, shard)
     net.eval()

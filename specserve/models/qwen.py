@@ -188,8 +188,8 @@ class QwenForCausalLM(CausalLM):
     def checkpoint_name_map(self, name: str) -> str | None:
         return None if "rotary_emb.inv_freq" in name else name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_split_fused_experts(weights))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
+        super().load_weights(_split_fused_experts(weights), adopt)
 
     def tied_parameter_names(self) -> set[str]:
         return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()

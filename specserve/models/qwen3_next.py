@@ -161,7 +161,7 @@ class HybridQwenForCausalLM(QwenForCausalLM):
                 return new + name[len(old) :]
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
         vision = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,7 +170,7 @@ class HybridQwenForCausalLM(QwenForCausalLM):
                 vision += name.startswith(_VISION)
                 yield name, tensor
 
-        super().load_weights(_split_fused_projections(counted(), self.config))
+        super().load_weights(_split_fused_projections(counted(), self.config), adopt)
         if vision:
             logger.info("ignored %d vision-tower tensors: specserve serves the text model", vision)
 
@@ -214,12 +214,12 @@ class MultiTokenPredictor(CausalLM):
     def checkpoint_name_map(self, name: str) -> str | None:
         return name.removeprefix("mtp.") if name.startswith("mtp.") else None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
         names = list(weights)
         extra = sorted({n.split(".")[2] for n, _ in names if n.startswith("mtp.layers.")} - {"0"})
         if extra:
             raise NotImplementedError(f"MTP layers {extra} beyond the first are not supported")
-        super().load_weights(_split_fused_experts(names))
+        super().load_weights(_split_fused_experts(names), adopt)
 
 
 def _split_fused_projections(
