@@ -11,6 +11,8 @@ from torch import nn
 from specserve.layers.attention import AttentionMetadata, KVCache
 from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec, StateCheckpoints
 
+ALIGNMENT = 64  # bytes: torch's CPU allocator (c10 alignment)
+
 
 @dataclass(frozen=True)
 class LayerCacheSpec:
@@ -100,7 +102,7 @@ class CausalLM(nn.Module):
                     f"expected {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                if adopt and _owns_its_memory(tensor) and tensor.dtype == param.dtype:
+                if adopt and _adoptable(tensor) and tensor.dtype == param.dtype:
                     param.data = tensor
                 else:
                     param.copy_(tensor)
@@ -120,8 +122,10 @@ class CausalLM(nn.Module):
         """Called after loading; models with tied embeddings alias lm_head to the embedding here."""
 
 
-def _owns_its_memory(t: torch.Tensor) -> bool:
-    """Its storage is exactly its elements: not a piece of a larger buffer (adopting one would keep all
-    of it alive)."""
+def _adoptable(t: torch.Tensor) -> bool:
+    """Its storage is exactly its elements (not a piece of a larger buffer, which adopting would keep
+    alive), aligned as torch's CPU allocator aligns (MKL rounds differently by the alignment of its
+    operands: a parameter must not take whatever alignment a file reader left it; safetensors' tensors
+    start 40 bytes past a 64-byte line, so those are copied)."""
     whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    return whole and t.storage_offset() == 0 and t.is_contiguous()
+    return whole and t.storage_offset() == 0 and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0

@@ -343,7 +343,8 @@ def dequantize_tensor(tensor) -> np.ndarray:
     """A GGUF tensor as float32 in HF (row-major, outermost-first) shape, in an array of its own (no view of
     the file), dequantized a block of rows at a time so that the temporaries stay small."""
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    out = np.empty((math.prod(shape[:-1]), shape[-1]), dtype=np.float32)
+    # torch's allocator: aligned as a parameter of its own would be, so that loading can adopt it
+    out = torch.empty(math.prod(shape[:-1]), shape[-1]).numpy()
     start = 0
     for block in dequantized_row_blocks(tensor.data, tensor.tensor_type):
         out[start : start + len(block)] = block
@@ -358,7 +359,7 @@ def dequantized_row_blocks(raw: np.ndarray, tensor_type) -> Iterator[np.ndarray]
     rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw[None]
     for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
         block = rows[start : start + DEQUANTIZE_ROWS]
-        yield np.asarray(dequantize(block, tensor_type), dtype=np.float32).reshape(len(block), -1)
+        yield np.array(dequantize(block, tensor_type), dtype=np.float32).reshape(len(block), -1)  # a copy
 
 
 def iter_converted(reader, plan: list[PlannedTensor]) -> Iterator[tuple[PlannedTensor, np.ndarray]]:
@@ -633,20 +634,11 @@ def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, tor
 def _as_tensors(
     reader, arrays: Iterator[tuple[PlannedTensor, np.ndarray]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors that own their memory, so that `load_weights` can adopt them: a view (of the read-only
-    memory map, of an expert's slice) is copied, so that nothing keeps the rest of its base alive."""
+    """The arrays as tensors for `load_weights`, which adopts those it can: an F32 tensor straight from the
+    read-only memory map is copied."""
     for p, arr in arrays:
-        yield p.hf_name, torch.from_numpy(arr if _owns_its_memory(arr) else arr.copy())
+        yield p.hf_name, torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         release_pages(reader)
-
-
-def _owns_its_memory(arr: np.ndarray) -> bool:
-    """An array that owns its data, or a reshape of one of the same size: not a view of a larger buffer
-    or of the memory map."""
-    root = arr
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    return root.base is None and root.nbytes == arr.nbytes
 
 
 def release_pages(reader) -> None:
