@@ -37,11 +37,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @contextmanager
 def tensor_parallel_llm(model_dir, **kwargs):
+    threads = torch.get_num_threads()
     llm = LLM(str(model_dir), tensor_parallel_size=TP, max_model_len=256, **kwargs)
     try:
         yield llm
     finally:
         llm.engine.close()
+    assert torch.get_num_threads() == threads  # the ranks' share of the cores is given back
 
 
 def token_ids(outputs) -> list[list[int]]:

@@ -28,7 +28,6 @@ from specserve.llm import LLM
 
 
 def measure(model: str, tp: int, batch_sizes: list[int], prompt_len: int, new_tokens: int) -> list[dict]:
-    threads = torch.get_num_threads()
     # No prefix caching: the prefill-only pass below and the timed run must read the same tokens.
     llm = LLM(
         model,
@@ -59,8 +58,7 @@ def measure(model: str, tp: int, batch_sizes: list[int], prompt_len: int, new_to
             rows.append(row)
             print(f"tp={tp} batch={batch_size}: {result.decode_tokens_per_s:.2f} tok/s", flush=True)
     finally:
-        llm.engine.close()
-        torch.set_num_threads(threads)
+        llm.engine.close()  # gives the process its threads back
     return rows
 
 

@@ -127,6 +127,7 @@ class TensorParallelExecutor:
             self.close()
             raise TensorParallelError(f"{exc}{self.worker_report()}") from exc
         self.group.describe_failure = self.worker_report
+        self._threads = torch.get_num_threads()  # given back by `close`
         torch.set_num_threads(threads_per_rank(world_size))
 
     def _spawn(self, rank: int, init_method: str, timeout: float) -> subprocess.Popen:
@@ -170,6 +171,7 @@ class TensorParallelExecutor:
                 process.wait()
         if group is not None:
             group.close()
+            torch.set_num_threads(self._threads)
         self.group = None
         self.workers = []
         atexit.unregister(self.close)
