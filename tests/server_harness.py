@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
+from specserve.local_port import free_local_port
 from specserve.server import AsyncEngine, build_app
 from specserve.server.launch import DrainingServer, uvicorn_config
 from specserve.server.limits import ServerLimits
@@ -114,17 +115,11 @@ def sse_payloads(lines: Iterator[str]) -> Iterator[dict | str]:
             yield data if data == "[DONE]" else json.loads(data)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def serve_process(model_dir, log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """(process, url) of `specserve serve model_dir *flags` launched as users launch it, once it answers
     /health; its output goes to `log_path`. Killed after the block if still running."""
-    port = free_port()
+    port = free_local_port()
     command = [sys.executable, "-m", "specserve.cli", "serve", str(model_dir), "--port", str(port), *flags]
     with open(log_path, "w") as log:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

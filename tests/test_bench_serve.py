@@ -26,6 +26,7 @@ from specserve.bench.serve.server_counters import ServerCounters, prefix_cache_s
 from specserve.bench.serve.sweep import load_sweep_config
 from specserve.cli import main
 from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.local_port import free_local_port
 from tests.server_harness import running_server, wait_until
 from tests.tiny_models import SPECIAL_TOKENS, VOCAB, save_tiny_chat_model
 
@@ -300,9 +301,7 @@ def test_terminating_a_sweep_stops_its_server(chat_model_dir, tmp_path):
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_local_port()  # a port nobody listens on
     output = tmp_path / "results.jsonl"
     argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--output", str(output)]
     assert main(argv) == 2

@@ -7,7 +7,6 @@ models, converted into the shared cache and compared tensor by tensor with trans
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from specserve.config import SpecserveError
+from specserve.local_port import free_local_port
 from specserve.models import gguf as sgguf
 from specserve.models import local_models
 from specserve.models.loader import (
@@ -193,12 +193,6 @@ def write_tiny_gguf(
     return expected
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------------- local HF directories
 
 
@@ -272,7 +266,7 @@ def test_hub_offline_is_a_clear_error(tmp_path, monkeypatch):
 def test_hub_unreachable_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_local_port()}")
     start = time.perf_counter()
     with pytest.raises(SpecserveError, match="unreachable") as err:
         resolve_model("some-org/some-model", cache_dir=tmp_path)

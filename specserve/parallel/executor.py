@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence as Seq
@@ -23,6 +22,7 @@ import torch
 
 from specserve.config import SpecserveError
 from specserve.layers.gated_deltanet import StateCheckpoints
+from specserve.local_port import free_local_port
 from specserve.models.sharding import Shard
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
 from specserve.worker.model_runner import ForwardOutput, ModelRunner, PieceInput
@@ -117,7 +117,7 @@ class TensorParallelExecutor:
                 )
             init_method = "env://"
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_local_port()}"
             self.workers = [self._spawn(rank, init_method, timeout) for rank in range(1, world_size)]
         atexit.register(self.close)
         self.shard = Shard(0, world_size)
@@ -175,9 +175,3 @@ class TensorParallelExecutor:
         self.group = None
         self.workers = []
         atexit.unregister(self.close)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

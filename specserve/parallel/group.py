@@ -114,15 +114,20 @@ class TensorParallelGroup:
 
     @_collective("command broadcast")
     def send(self, command: tuple) -> None:
-        """Driver: broadcast a command to the workers (without running it here)."""
-        self.command_bytes += len(pickle.dumps(command))
-        dist.broadcast_object_list([command], src=0, group=self.commands)
+        """Driver: broadcast a command to the workers (without running it here): its pickled length, then
+        its bytes."""
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        self.command_bytes += len(data)
+        dist.broadcast(torch.tensor([len(data)]), src=0, group=self.commands)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.commands)
 
     @_collective("command receive")
     def receive(self) -> tuple[str, tuple]:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.commands)
-        return box[0]
+        length = torch.zeros(1, dtype=torch.long)
+        dist.broadcast(length, src=0, group=self.commands)
+        data = torch.empty(int(length), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.commands)
+        return pickle.loads(data.numpy().tobytes())
 
     def serve(self) -> None:
         """Worker: run the driver's commands until it sends `shutdown`."""

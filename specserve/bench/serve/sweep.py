@@ -12,7 +12,6 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from specserve.bench.serve.client import ServerDied
 from specserve.bench.serve.metrics import Sla
 from specserve.bench.serve.report import Anchors, write_report
 from specserve.config import SpecserveError
+from specserve.local_port import free_local_port
 
 STOP_TIMEOUT_S = 60.0  # SIGTERM drains live requests (none are left after a run), then we kill
 LOG_TAIL_LINES = 15
@@ -214,7 +214,7 @@ def launch_server(
     model: str, speculative_config: dict | str | None, server_args: dict, log: Path, startup_timeout_s: float
 ) -> Iterator[LaunchedServer]:
     """`specserve serve` in a child process on a free local port, healthy on entry, stopped on exit."""
-    port = _free_port()
+    port = free_local_port()
     command = [
         sys.executable,
         "-m",
@@ -253,12 +253,6 @@ def _flags(server_args: dict) -> list[str]:
         elif value is not False and value is not None:
             flags += [flag, str(value)]
     return flags
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_until_healthy(launched: LaunchedServer, timeout_s: float) -> None:
