@@ -14,12 +14,13 @@ def target(tmp_path_factory):
 
 
 def test_spec_benchmark_rows(target, tmp_path):
-    prompts = tmp_path / "eval.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("abc", "hello there", "xyz")))
+    files = {"code": ("abc", "hello there", "never read"), "chat": ("xyz",)}
+    for name, turns in files.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in turns))
     new_tokens = 9
     rows = run_spec_benchmark(
         target,
-        [prompts],
+        [tmp_path / "code.jsonl", tmp_path / "chat.jsonl"],
         num_prompts=2,
         new_tokens=new_tokens,
         configs=[
@@ -28,8 +29,7 @@ def test_spec_benchmark_rows(target, tmp_path):
         ],
         assistant=target,
     )
-    by_name = {r["name"]: r for r in rows}
-    assert list(by_name) == [
+    names = [
         "specserve none",
         "self k=4",
         "ngram k=2",
@@ -37,24 +37,30 @@ def test_spec_benchmark_rows(target, tmp_path):
         "transformers assisted",
         "transformers prompt-lookup",
     ]
-    assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert by_name["specserve none"]["tau"] is None and by_name["specserve none"]["speedup"] == 1.0
-    # The model drafting for itself greedily is always right: after the prefill's token, 8 more come as
-    # one round of 4 drafts + bonus and one of 2 drafts + bonus (max_tokens leaves room for 3): tau = 8 / 2.
-    self_row = by_name["self k=4"]
-    assert self_row["tau"] == pytest.approx(4.0)
-    assert self_row["verified_per_round"] == (4 + 2) / 2
-    assert set(self_row["t_forward_ms"]) == {1, self_row["verified_per_round"] + 1}
-    t1 = self_row["t_forward_ms"][1]
-    tk = self_row["t_forward_ms"][self_row["verified_per_round"] + 1]
-    # a draft every step: tokens T(1) / (rounds T(k+1) + drafting) = tau T(1) / (T_draft + T(k+1))
-    assert self_row["plain_steps"] == 0 and self_row["rounds"] == 4
-    assert self_row["ideal_speedup"] == pytest.approx(
-        self_row["tau"] * t1 / (self_row["draft_ms_per_round"] + tk)
-    )
-    ngram = by_name["ngram k=2"]  # random tokens rarely repeat: most steps find no n-gram
-    assert ngram["plain_steps"] + ngram["rounds"] * ngram["tau"] == 2 * (new_tokens - 1)
-    assert by_name["transformers assisted"]["tau"] is None
+    # a row per prompt file and one over all of them, for every configuration
+    prompts = {"code": 2, "chat": 1, "all": 3}
+    assert [(r["name"], r["dataset"]) for r in rows] == [(n, d) for n in names for d in prompts]
+    row = {(r["name"], r["dataset"]): r for r in rows}
+    for dataset, count in prompts.items():
+        assert all(row[n, dataset]["tokens_per_s"] > 0 for n in names)
+        none = row["specserve none", dataset]
+        assert none["tau"] is None and none["speedup"] == 1.0
+        # The model drafting for itself greedily is always right: after the prefill's token, 8 more come
+        # as one round of 4 drafts + bonus and one of 2 drafts + bonus (max_tokens leaves room for 3).
+        self_row = row["self k=4", dataset]
+        assert self_row["tau"] == pytest.approx(4.0)
+        assert self_row["verified_per_round"] == (4 + 2) / 2
+        assert self_row["plain_steps"] == 0 and self_row["rounds"] == 2 * count
+        assert set(self_row["t_forward_ms"]) == {1, self_row["verified_per_round"] + 1}
+        t1 = self_row["t_forward_ms"][1]
+        tk = self_row["t_forward_ms"][self_row["verified_per_round"] + 1]
+        # a draft every step: tokens T(1) / (rounds T(k+1) + drafting) = tau T(1) / (T_draft + T(k+1))
+        assert self_row["ideal_speedup"] == pytest.approx(
+            self_row["tau"] * t1 / (self_row["draft_ms_per_round"] + tk)
+        )
+        ngram = row["ngram k=2", dataset]  # random tokens rarely repeat: most steps find no n-gram
+        assert ngram["plain_steps"] + ngram["rounds"] * (ngram["tau"] or 0) == count * (new_tokens - 1)
+        assert row["transformers assisted", dataset]["tau"] is None
 
 
 def test_comma_lists_are_checked_by_the_parser(capsys):
@@ -64,3 +70,19 @@ def test_comma_lists_are_checked_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "spec", "--prompts", "p.jsonl", "--ks", "3,a"])
     assert "expected comma-separated integers, got '3,a'" in capsys.readouterr().err
+
+
+def test_quantization_applies_to_the_target_and_the_default_draft_model():
+    from specserve.bench.spec_decode import default_configs
+    from specserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "spec", "--prompts", "p.jsonl", "--quantization", "int4"])
+    assert args.quantization == "int4" and args.llama
+    assert default_configs("draft", [3], "int4") == [
+        ("specserve ngram k=3", {"method": "ngram", "num_speculative_tokens": 3}),
+        (
+            "specserve draft_model k=3",
+            {"method": "draft_model", "num_speculative_tokens": 3, "model": "draft", "quantization": "int4"},
+        ),
+    ]
+    assert "quantization" not in default_configs("draft", [3])[1][1]

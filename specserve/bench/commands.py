@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from specserve.cli_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, int_list, named
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="NAME=JSON speculative config (repeat); replaces the ngram and draft_model grid over --ks",
     )
+    spec.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_MODES,
+        help="weight-only quantization of the target (and of the default draft model)",
+    )
     spec.add_argument("--no-transformers", action="store_true")
+    spec.add_argument(
+        "--no-llama",
+        dest="llama",
+        action="store_false",
+        help="skip llama.cpp (run by default when the target comes from a GGUF and llama-cpp-python is "
+        "installed: plain and prompt lookup at each of --ks)",
+    )
     spec.set_defaults(func=_bench_spec)
     cost = bench_sub.add_parser("drafter", help="DSpark drafting round cost against target verification")
     cost.add_argument("--model", default=DEFAULT_MODEL)
@@ -169,15 +181,35 @@ def _bench_decode(args: argparse.Namespace) -> int:
 def _bench_spec(args: argparse.Namespace) -> int:
     from specserve.bench.spec_decode import default_configs, run_spec_benchmark
 
+    gguf = _llama_gguf(args.model) if args.llama else None
     run_spec_benchmark(
         target=args.model,
         prompt_files=[Path(p) for p in args.prompts.split(",")],
         num_prompts=args.num_prompts,
         new_tokens=args.new_tokens,
-        configs=named(args.drafter) or default_configs(args.draft_model, args.ks),
+        configs=named(args.drafter) or default_configs(args.draft_model, args.ks, args.quantization),
         assistant=None if args.no_transformers else args.draft_model,
+        quantization=args.quantization,
+        llama_gguf=gguf,
+        llama_lookup_ks=args.ks,
     )
     return 0
+
+
+def _llama_gguf(model: str) -> Path | None:
+    """The GGUF `model` was converted from, when llama.cpp can run it here; else None, said why."""
+    import importlib.util
+
+    from specserve.models.gguf import gguf_source
+    from specserve.models.loader import resolve_model
+
+    gguf = gguf_source(resolve_model(model))
+    if gguf is None:
+        print(f"llama.cpp skipped: {model} was not converted from a GGUF")
+    elif importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp skipped: llama-cpp-python is not installed (pip install 'specserve[bench]')")
+        gguf = None
+    return gguf
 
 
 def _bench_drafter(args: argparse.Namespace) -> int:

@@ -7,6 +7,10 @@ the drafter were all that cost time. T(q) is one target forward over q tokens at
 length, timed on each run's engine right after it; k the draft tokens verified per round; plain steps are
 decode steps where the drafter proposed nothing (an n-gram without a match). With a draft every step this
 is tau T(1) / (T_draft + T(k + 1)). All figures come from one run.
+
+With `llama_gguf` (the GGUF the target was converted from) llama.cpp decodes the same prompts too, plain
+and with its own speculation (llama-cpp-python's prompt lookup, `pip install 'specserve[bench]'`), with
+the same thread count: the CPU baseline a user would otherwise pick.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +39,8 @@ def load_eval_prompts(path: Path, limit: int) -> list[str]:
 
 @dataclass
 class RunResult:
+    """One configuration's decode over some prompts (one, a dataset's, or all)."""
+
     name: str
     tokens: int  # decode tokens (the prefill's first token excluded)
     seconds: float
@@ -42,6 +49,19 @@ class RunResult:
     verified: int = 0  # draft tokens verified
     drafting_s: float = 0.0
     t_forward: dict[int, float] | None = None  # T(q) seconds for q = 1 and k + 1, on this run's engine
+
+    @classmethod
+    def total(cls, parts: Seq[RunResult]) -> RunResult:
+        return cls(
+            parts[0].name,
+            sum(p.tokens for p in parts),
+            sum(p.seconds for p in parts),
+            sum(p.rounds for p in parts),
+            sum(p.emitted for p in parts),
+            sum(p.verified for p in parts),
+            sum(p.drafting_s for p in parts),
+            parts[0].t_forward,
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,26 +123,27 @@ def forward_time(llm: LLM, context: int, q: int, repeats: int = 5) -> float:
         cached.release()
 
 
-def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: int) -> RunResult:
+def run_specserve(name: str, llm: LLM, prompt_ids: list[list[int]], new_tokens: int) -> list[RunResult]:
+    """One result per prompt."""
     from tqdm import tqdm
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     stats = llm.engine.spec_stats
-    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_emitted_tokens, stats.drafting_s)
-    tokens, seconds = 0, 0.0
+    results = []
     for ids in tqdm(prompt_ids, desc=name, leave=False):
+        before = (stats.num_drafts, stats.num_draft_tokens, stats.num_emitted_tokens, stats.drafting_s)
         out = llm.generate([{"prompt_token_ids": ids}], params)[0]
         # Decode only: the prefill costs the same with or without speculation.
-        seconds += out.metrics.finish_time - out.metrics.first_token_time
-        tokens += len(out.outputs[0].token_ids) - 1
-    result = RunResult(name, tokens, seconds)
-    if llm.engine.speculator is not None:
-        result.rounds = stats.num_drafts - before[0]
-        result.verified = stats.num_draft_tokens - before[1]
-        result.emitted = stats.num_emitted_tokens - before[2]
-        result.drafting_s = stats.drafting_s - before[3]
-    return result
+        decode_s = out.metrics.finish_time - out.metrics.first_token_time
+        result = RunResult(name, len(out.outputs[0].token_ids) - 1, decode_s)
+        if llm.engine.speculator is not None:
+            result.rounds = stats.num_drafts - before[0]
+            result.verified = stats.num_draft_tokens - before[1]
+            result.emitted = stats.num_emitted_tokens - before[2]
+            result.drafting_s = stats.drafting_s - before[3]
+        results.append(result)
+    return results
 
 
 class FirstTokenClock:
@@ -142,10 +163,13 @@ class FirstTokenClock:
         pass
 
 
-def run_transformers(name: str, model, prompt_ids: list[list[int]], new_tokens: int, **kwargs) -> RunResult:
+def run_transformers(
+    name: str, model, prompt_ids: list[list[int]], new_tokens: int, **kwargs
+) -> list[RunResult]:
+    """One result per prompt."""
     from tqdm import tqdm
 
-    tokens, seconds = 0, 0.0
+    results = []
     for ids in tqdm(prompt_ids, desc=name, leave=False):
         x = torch.tensor([ids])
         clock = FirstTokenClock()
@@ -158,16 +182,50 @@ def run_transformers(name: str, model, prompt_ids: list[list[int]], new_tokens: 
                 streamer=clock,
                 **kwargs,
             )
-        seconds += time.perf_counter() - clock.first_token_time
-        tokens += out.shape[1] - len(ids) - 1
-    return RunResult(name, tokens, seconds)
+        seconds = time.perf_counter() - clock.first_token_time
+        results.append(RunResult(name, out.shape[1] - len(ids) - 1, seconds))
+    return results
 
 
-def default_configs(draft: str, ks: list[int]) -> list[tuple[str, dict]]:
-    """ngram and draft_model at each k: what works without a trained drafter."""
+def run_llama_cpp(
+    name: str, gguf: Path, prompt_ids: list[list[int]], new_tokens: int, lookup_tokens: int = 0
+) -> list[RunResult]:
+    """llama.cpp's greedy decode of the same prompts, timed as ours (from the first token to the last),
+    with prompt-lookup speculation of up to `lookup_tokens` tokens a round when > 0. One result per
+    prompt."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from tqdm import tqdm
+
+    threads = torch.get_num_threads()
+    llm = Llama(
+        model_path=str(gguf),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=max(len(p) for p in prompt_ids) + new_tokens + 16,
+        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None,
+        verbose=False,
+    )
+    results = []
+    for ids in tqdm(prompt_ids, desc=name, leave=False):
+        generated, first = 0, 0.0
+        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):  # never stops at EOS by itself
+            generated += 1
+            if generated == 1:
+                first = time.perf_counter()
+            if generated == new_tokens:
+                break
+        results.append(RunResult(name, generated - 1, time.perf_counter() - first))
+    return results
+
+
+def default_configs(draft: str, ks: list[int], quantization: str | None = None) -> list[tuple[str, dict]]:
+    """ngram and draft_model at each k: what works without a trained drafter. `quantization` applies to
+    the draft model's weights as to the target's."""
+    draft_model = {"model": draft, **({"quantization": quantization} if quantization else {})}
     return [
         (f"specserve {method} k={k}", {"method": method, "num_speculative_tokens": k, **extra})
-        for method, extra in (("ngram", {}), ("draft_model", {"model": draft}))
+        for method, extra in (("ngram", {}), ("draft_model", draft_model))
         for k in ks
     ]
 
@@ -179,30 +237,51 @@ def run_spec_benchmark(
     new_tokens: int,
     configs: list[tuple[str, dict | str]],
     assistant: str | None = None,
+    quantization: str | None = None,
+    llama_gguf: Path | None = None,
+    llama_lookup_ks: Seq[int] = (),
 ) -> list[dict]:
     """No speculation, then each (name, speculative config), then transformers plain, assisted by
-    `assistant` and prompt-lookup (when `assistant` is given). Each row's T(1) and T(k + 1) are timed on
-    its own engine right after its run."""
-    base = LLM(target)
+    `assistant` and prompt-lookup (when `assistant` is given), then llama.cpp on `llama_gguf` (when given)
+    plain and with prompt lookup of each k in `llama_lookup_ks`. Our engines load the target with
+    `quantization`. Each configuration gets a row per prompt file (its `dataset`, the file's stem) and,
+    with several files, one over all of them ("all"); speedups are against no speculation on the same
+    prompts. Each row's T(1) and T(k + 1) are timed on its own engine right after its run."""
+    base = LLM(target, quantization=quantization)
     tok = base.tokenizer
-    prompt_ids = [
-        base.apply_chat_template([{"role": "user", "content": p}])
+    datasets = {
+        f.stem: [
+            base.apply_chat_template([{"role": "user", "content": p}])
+            for p in load_eval_prompts(f, num_prompts)
+        ]
         for f in prompt_files
-        for p in load_eval_prompts(f, num_prompts)
-    ]
+    }
+    prompt_ids = [ids for prompts in datasets.values() for ids in prompts]
     context = sum(len(p) for p in prompt_ids) // len(prompt_ids) + new_tokens // 2
     print(f"{len(prompt_ids)} prompts, {new_tokens} new tokens, context ~{context}", flush=True)
-    results = [run_specserve("specserve none", base, prompt_ids, new_tokens)]
-    print(_row(results[0], results[0]), flush=True)
+    runs: list[dict[str, RunResult]] = []  # per configuration: dataset -> its prompts' total
+
+    def record(per_prompt: list[RunResult], t_forward: dict[int, float] | None = None) -> None:
+        for r in per_prompt:
+            r.t_forward = t_forward
+        by_dataset, start = {}, 0
+        for name, prompts in datasets.items():
+            by_dataset[name] = RunResult.total(per_prompt[start : start + len(prompts)])
+            start += len(prompts)
+        if len(datasets) > 1:
+            by_dataset["all"] = RunResult.total(per_prompt)
+        runs.append(by_dataset)
+        for dataset, r in by_dataset.items():
+            print(_row(runs[0][dataset], r, dataset), flush=True)
+
+    record(run_specserve("specserve none", base, prompt_ids, new_tokens))
     del base
     gc.collect()  # one target in memory at a time
     for name, spec in configs:
-        llm = LLM(target, speculative_config=spec)
-        r = run_specserve(name, llm, prompt_ids, new_tokens)
-        if r.k is not None:
-            r.t_forward = {q: forward_time(llm, context, q) for q in (1, r.k + 1)}
-        results.append(r)
-        print(_row(results[0], r), flush=True)
+        llm = LLM(target, quantization=quantization, speculative_config=spec)
+        per_prompt = run_specserve(name, llm, prompt_ids, new_tokens)
+        k = RunResult.total(per_prompt).k
+        record(per_prompt, None if k is None else {q: forward_time(llm, context, q) for q in (1, k + 1)})
         del llm
         gc.collect()
     if assistant is not None:
@@ -218,13 +297,19 @@ def run_spec_benchmark(
             ("transformers assisted", {"assistant_model": helper}),
             ("transformers prompt-lookup", {"prompt_lookup_num_tokens": 4}),
         ):
-            results.append(run_transformers(name, ref, prompt_ids, new_tokens, **kwargs, **pad))
-            print(_row(results[0], results[-1]), flush=True)
+            record(run_transformers(name, ref, prompt_ids, new_tokens, **kwargs, **pad))
+        del ref, helper
+        gc.collect()
+    if llama_gguf is not None:
+        for k in (0, *llama_lookup_ks):
+            name = f"llama.cpp prompt-lookup k={k}" if k else "llama.cpp plain"
+            record(run_llama_cpp(name, llama_gguf, prompt_ids, new_tokens, lookup_tokens=k))
     rows = [
         {
             "name": r.name,
+            "dataset": dataset,
             "tokens_per_s": r.tokens_per_s,
-            "speedup": r.tokens_per_s / results[0].tokens_per_s,
+            "speedup": r.tokens_per_s / runs[0][dataset].tokens_per_s,
             "tau": r.tau,
             "verified_per_round": r.k,
             "rounds": r.rounds,
@@ -233,14 +318,16 @@ def run_spec_benchmark(
             "t_forward_ms": {q: 1e3 * t for q, t in (r.t_forward or {}).items()},
             "ideal_speedup": r.ideal_speedup,
         }
-        for r in results
+        for by_dataset in runs
+        for dataset, r in by_dataset.items()
     ]
     print(json.dumps({"context": context, "rows": rows}))
     return rows
 
 
-def _row(base: RunResult, r: RunResult) -> str:
-    line = f"{r.name:30s} {r.tokens_per_s:6.2f} tok/s  x{r.tokens_per_s / base.tokens_per_s:4.2f}"
+def _row(base: RunResult, r: RunResult, dataset: str) -> str:
+    speedup = r.tokens_per_s / base.tokens_per_s
+    line = f"{r.name:30s} {dataset:10s} {r.tokens_per_s:6.2f} tok/s  x{speedup:4.2f}"
     if r.ideal_speedup is not None:
         t1, tk = (1e3 * r.t_forward[q] for q in (1, r.k + 1))
         line += (
