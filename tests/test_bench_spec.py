@@ -61,6 +61,10 @@ def test_spec_benchmark_rows(target, tmp_path):
         ngram = row["ngram k=2", dataset]  # random tokens rarely repeat: most steps find no n-gram
         assert ngram["plain_steps"] + ngram["rounds"] * (ngram["tau"] or 0) == count * (new_tokens - 1)
         assert row["transformers assisted", dataset]["tau"] is None
+    # k is each row's own mean (rounded): the forwards are timed for every k the rows of a run have
+    for r in rows:
+        if r["verified_per_round"] is not None:
+            assert {1, r["verified_per_round"] + 1} <= set(r["t_forward_ms"]), r
 
 
 def test_comma_lists_are_checked_by_the_parser(capsys):

@@ -60,7 +60,6 @@ class RunResult:
             sum(p.emitted for p in parts),
             sum(p.verified for p in parts),
             sum(p.drafting_s for p in parts),
-            parts[0].t_forward,
         )
 
     @property
@@ -261,15 +260,19 @@ def run_spec_benchmark(
     print(f"{len(prompt_ids)} prompts, {new_tokens} new tokens, context ~{context}", flush=True)
     runs: list[dict[str, RunResult]] = []  # per configuration: dataset -> its prompts' total
 
-    def record(per_prompt: list[RunResult], t_forward: dict[int, float] | None = None) -> None:
-        for r in per_prompt:
-            r.t_forward = t_forward
+    def record(per_prompt: list[RunResult], llm: LLM | None = None) -> None:
+        """Sum the prompts per dataset; on `llm`, time T(1) and T(k + 1) for every row's k."""
         by_dataset, start = {}, 0
         for name, prompts in datasets.items():
             by_dataset[name] = RunResult.total(per_prompt[start : start + len(prompts)])
             start += len(prompts)
         if len(datasets) > 1:
             by_dataset["all"] = RunResult.total(per_prompt)
+        ks = {r.k for r in by_dataset.values() if r.k is not None}
+        if llm is not None and ks:
+            t_forward = {q: forward_time(llm, context, q) for q in sorted({1, *(k + 1 for k in ks)})}
+            for r in by_dataset.values():
+                r.t_forward = t_forward if r.k is not None else None
         runs.append(by_dataset)
         for dataset, r in by_dataset.items():
             print(_row(runs[0][dataset], r, dataset), flush=True)
@@ -279,9 +282,7 @@ def run_spec_benchmark(
     gc.collect()  # one target in memory at a time
     for name, spec in configs:
         llm = LLM(target, quantization=quantization, speculative_config=spec)
-        per_prompt = run_specserve(name, llm, prompt_ids, new_tokens)
-        k = RunResult.total(per_prompt).k
-        record(per_prompt, None if k is None else {q: forward_time(llm, context, q) for q in (1, k + 1)})
+        record(run_specserve(name, llm, prompt_ids, new_tokens), llm)
         del llm
         gc.collect()
     if assistant is not None:
