@@ -10,15 +10,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
+import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from specserve import LLM
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.local_port import free_local_port
@@ -28,6 +31,36 @@ from specserve.server.limits import ServerLimits
 
 MODEL_NAME = "tiny"
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    """The official openai client of a server at `url`, without retries (a test sees the first answer)."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+
+
+def chat_server_fixtures(build_model: Callable[[Path], Path], max_model_len: int):
+    """The module-scoped fixtures of the server tests, for a module to bind at its top level:
+    `model_dir` (`build_model` into a fresh directory), `server` (running on it), `client` (the openai
+    client of that server) and `llm` (the same model without a server, for reference outputs)."""
+
+    @pytest.fixture(scope="module", name="model_dir")
+    def model_dir_fixture(tmp_path_factory):
+        return build_model(tmp_path_factory.mktemp("model"))
+
+    @pytest.fixture(scope="module", name="server")
+    def server_fixture(model_dir):
+        with running_server(model_dir, max_model_len=max_model_len) as srv:
+            yield srv
+
+    @pytest.fixture(scope="module", name="client")
+    def client_fixture(server):
+        return make_client(server.url)
+
+    @pytest.fixture(scope="module", name="llm")
+    def llm_fixture(model_dir):
+        return LLM(str(model_dir), max_model_len=max_model_len, kv_cache_memory="16MiB")
+
+    return model_dir_fixture, server_fixture, client_fixture, llm_fixture
 
 
 @dataclass

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from specserve import LLM, SamplingParams, SpecserveError
+from tests.server_harness import make_client
 from tests.tiny_models import build_reference, save_byte_tokenizer, save_tiny_chat_model
 
 PROMPTS = ["Answer:", "abcabcabc abcabc", "[1, 2, 3, 1, 2"]
@@ -83,7 +84,7 @@ def test_the_server_maps_logit_bias(chat_dir):
     first = llm.generate(["Answer:"], greedy())[0].outputs[0].token_ids[0]
     expected = llm.generate(["Answer:"], greedy(logit_bias={first: -100}))[0].outputs[0].token_ids
     with running_server(chat_dir, max_model_len=128) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        client = make_client(srv.url)
         ask = dict(model=MODEL_NAME, prompt="Answer:", max_tokens=24, temperature=0.0)
         reply = client.completions.create(
             logit_bias={str(first): -100},

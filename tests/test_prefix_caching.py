@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import openai
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams
 from specserve.core.block_manager import BlockManager, PrefixStates
 from specserve.worker.model_runner import kv_bytes_per_block, state_bytes_per_slot
-from tests.server_harness import MODEL_NAME, running_server, wait_until
+from tests.server_harness import MODEL_NAME, make_client, running_server, wait_until
 from tests.test_speculative import greedy_bigram_bias, repetitive_prompts
 from tests.tiny_models import VOCAB, save_tiny_chat_model, save_tiny_drafter, save_tiny_model, save_tiny_mtp
 
@@ -327,7 +326,7 @@ def test_usage_and_metrics_report_cached_tokens(tmp_path):
         {"role": "user", "content": "Hi"},
     ]
     with running_server(model_dir, max_model_len=512) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        client = make_client(srv.url)
         ask = dict(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0.0)
         first, second = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
         assert first.usage.prompt_tokens_details.cached_tokens == 0

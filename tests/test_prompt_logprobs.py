@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
-from tests.server_harness import MODEL_NAME, running_server
+from tests.server_harness import MODEL_NAME, chat_server_fixtures
 from tests.test_engine import prompts
-from tests.test_server import greedy, make_client
+from tests.test_server import greedy
 from tests.test_speculative import repetitive_prompts
 from tests.tiny_models import build_reference, save_tiny_chat_model
 
@@ -119,25 +119,7 @@ def test_prompt_logprobs_out_of_range_are_errors(bad):
 
 
 # ---- the server: echo ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_chat_model("qwen3", tmp_path_factory.mktemp("echo-qwen3"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(model_dir, max_model_len=256) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return make_client(server.url)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), max_model_len=256, kv_cache_memory="16MiB")
+model_dir, server, client, llm = chat_server_fixtures(lambda d: save_tiny_chat_model("qwen3", d), 256)
 
 
 CONTEXT = "Question: what colour is the sky?\nAnswer:"

@@ -8,8 +8,15 @@ import httpx
 import openai
 import pytest
 
-from specserve import LLM, SamplingParams
-from tests.server_harness import MODEL_NAME, running_server, sse_payloads, wait_until
+from specserve import SamplingParams
+from tests.server_harness import (
+    MODEL_NAME,
+    chat_server_fixtures,
+    make_client,
+    running_server,
+    sse_payloads,
+    wait_until,
+)
 from tests.tiny_models import save_tiny_chat_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -24,30 +31,7 @@ def engine_greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def make_client(url: str, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_chat_model("qwen3", tmp_path_factory.mktemp("chat-qwen3"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(model_dir, max_model_len=256) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return make_client(server.url)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    """The same model without the server, for reference outputs."""
-    return LLM(str(model_dir), max_model_len=256, kv_cache_memory="16MiB")
+model_dir, server, client, llm = chat_server_fixtures(lambda d: save_tiny_chat_model("qwen3", d), 256)
 
 
 def test_models_and_health(client, server):

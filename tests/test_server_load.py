@@ -14,7 +14,14 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, strategies
 
-from tests.server_harness import MODEL_NAME, running_server, serve_process, sse_payloads, wait_until
+from tests.server_harness import (
+    MODEL_NAME,
+    make_client,
+    running_server,
+    serve_process,
+    sse_payloads,
+    wait_until,
+)
 from tests.tiny_models import save_tiny_chat_model
 
 
@@ -71,7 +78,7 @@ def test_64_concurrent_streams_match_one_at_a_time_and_free_all_kv(model_dir):
             return results, await watcher
 
         together, peak_batch = asyncio.run(all_at_once())
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+        client = make_client(srv.url, api_key="-")
         alone = [stream_tokens(client.completions.create(prompt=p, **args)) for p in prompts]
 
         assert together == alone

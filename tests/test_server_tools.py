@@ -17,7 +17,7 @@ import pytest
 from specserve.server.generation import ChatGeneration
 from specserve.server.protocol import ChatCompletionRequest
 from specserve.server.tool_calls import GEMMA, HERMES, ToolCallParser, tool_format_of
-from tests.server_harness import MODEL_NAME, running_server
+from tests.server_harness import MODEL_NAME, make_client, running_server
 from tests.tiny_models import save_tiny_chat_model
 
 # A Hermes-style template of our own for the tiny byte-tokenizer model (Qwen2.5's writes calls the same way).
@@ -126,7 +126,7 @@ def server(hermes_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return make_client(server.url)
 
 
 def ask(client, **kwargs):
@@ -275,7 +275,7 @@ def test_gemma_gets_the_tools_in_its_system_turn_and_the_calls_as_text(gemma_dir
 
 def test_gemma_required_gives_a_tool_code_call(gemma_dir):
     with running_server(gemma_dir, max_model_len=2048) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        client = make_client(srv.url)
         reply = ask(client, tool_choice="required", parallel_tool_calls=False)
     assert reply.choices[0].finish_reason == "tool_calls"
     check_calls(reply.choices[0].message.tool_calls)
@@ -429,7 +429,7 @@ def qwen_client():
     except Exception as exc:  # the local-models extra is not installed
         pytest.skip(f"local model qwen2.5-coder-0.5b unavailable: {exc}")
     with running_server(model_dir, max_model_len=2048, kv_cache_memory="512MiB") as srv:
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        yield make_client(srv.url)
 
 
 WEATHER_ANYWHERE = {

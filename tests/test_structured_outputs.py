@@ -14,6 +14,7 @@ import transformers
 from specserve import LLM, SamplingParams, SpecserveError
 from specserve.config import StructuredOutputsParams
 from specserve.structured.masks import allowed_tokens
+from tests.server_harness import make_client
 from tests.test_lossless import chi_square_pvalue
 from tests.tiny_models import build_reference, save_byte_tokenizer, save_tiny_chat_model
 
@@ -253,7 +254,7 @@ def test_the_server_maps_response_format_and_structured_outputs(chat_dir):
     messages = [{"role": "user", "content": "Give me JSON."}]
     engine_llm = LLM(chat_dir, max_model_len=256)
     with running_server(chat_dir, max_model_len=256) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        client = make_client(srv.url)
         ask = dict(model=MODEL_NAME, messages=messages, max_tokens=48, temperature=0.0)
         for response_format, constraint in [
             (

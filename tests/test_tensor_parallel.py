@@ -22,7 +22,7 @@ from specserve.models.loader import load_hf_config
 from specserve.models.registry import build_model, model_class
 from specserve.models.sharding import Shard, WeightShard, full_parameter_shapes, shard_config
 from specserve.parallel.group import TensorParallelError
-from tests.server_harness import REPO_ROOT, serve_process
+from tests.server_harness import REPO_ROOT, make_client, serve_process
 from tests.tiny_models import (
     build_reference,
     save_tiny_chat_model,
@@ -252,11 +252,10 @@ def test_a_killed_worker_ends_the_engine_with_a_clear_error(model_dirs, monkeypa
 
 
 def test_serve_with_tensor_parallel_size_2_answers_the_openai_client(tmp_path):
-    openai = pytest.importorskip("openai")
     model_dir = save_tiny_chat_model("qwen3", tmp_path / "model")
     expected = LLM(str(model_dir), max_model_len=256).generate(["Hello there"], GREEDY)[0].outputs[0].text
     with serve_process(model_dir, tmp_path / "server.log", "--tensor-parallel-size", "2") as (server, url):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        client = make_client(url, api_key="none")
         greedy = {"max_tokens": 16, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
         reply = client.completions.create(model=str(model_dir), prompt="Hello there", **greedy)
         assert reply.choices[0].text == expected
