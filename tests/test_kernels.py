@@ -103,6 +103,36 @@ def test_every_path_equals_the_scalar_one_and_rows_do_not_depend_on_m(mode, k, n
             assert torch.equal(call(x[:m], isa), alone[:m]), f"path {isa}, M = {m}"
 
 
+@pytest.fixture
+def torch_threads():
+    """Restores torch's intra-op thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_kernel_runs_on_torch_s_threads(torch_threads):
+    """Built with OpenMP: else ATen's parallel_for is a serial loop inside the extension."""
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        assert ops.parallel_threads() == threads
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_outputs_do_not_depend_on_the_thread_count(mode, torch_threads):
+    k, n, group = 512, 16 * 37, 64  # enough output tiles for every thread to take some
+    weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
+    call = (int4_call if mode == "int4" else int8_call)(*weights, torch.randn(n))
+    x = inputs(9, k)
+    torch.set_num_threads(1)
+    for isa in ISAS:
+        alone = call(x, isa)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(call(x, isa), alone), f"path {isa}, {threads} threads"
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("k,n,group", SHAPES)
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_kernel_equals_the_reference_with_the_same_activation_codes(mode, k, n, group):

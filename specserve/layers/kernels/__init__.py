@@ -8,7 +8,7 @@ int4 kernel (specserve/layers/quant.py). `SPECSERVE_NO_KERNELS=1` forces that fa
 
 The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI):
     int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
-    quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa()
+    quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), parallel_threads()
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from specserve.cache_dir import cache_root, file_lock
 ENV_VAR = "SPECSERVE_NO_KERNELS"
 SOURCE = Path(__file__).with_name("qlinear.cpp")
 NAME = "specserve_qlinear"
-CFLAGS = ["-O3", "-ffp-contract=off"]  # no fused multiply-adds but the written ones: every path rounds alike
+# -ffp-contract=off: no fused multiply-adds but the written ones, so every path rounds alike. -fopenmp:
+# without it ATen's parallel_for compiles to a serial loop here (the symbols resolve to torch's libgomp).
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 ISA_NAMES = ("scalar", "avx2", "avx512_vnni")
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,11 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -396,10 +398,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return qlinear(false, x, codes, scales, c10::nullopt, bias, isa);
 }
 
+// How many threads `at::parallel_for` runs a large range on here: 1 if the library was built without
+// OpenMP (ATen's parallel_for is then a serial loop in the extension, whatever torch's thread count).
+int64_t parallel_threads() {
+  std::vector<char> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, 1 << 20, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specserve, m) {
   m.def("best_isa() -> int", &best_isa);
+  m.def("parallel_threads() -> int", &parallel_threads);
   m.def("quantize_rows(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_rows);
   m.def(
       "int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias=None, int isa=-1) -> "
