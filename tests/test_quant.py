@@ -19,12 +19,15 @@ from specserve import LLM, SamplingParams, SpecserveError
 from specserve.cli import build_parser
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.layers import kernels
+from specserve.layers.fusion import project
 from specserve.layers.linear import PackedLinear, pack_linears
+from specserve.layers.mlp import GatedMLP
 from specserve.layers.quant import (
     COMPUTE_DTYPE,
     Int4Linear,
     Int8Linear,
     dequantize_int4,
+    fuse_projections,
     int8_from_q8_0,
     quantize_int4,
     quantize_int8,
@@ -217,6 +220,59 @@ def test_quantize_model_replaces_what_the_kernel_takes(mode):
     assert isinstance(model["lm_head"], quantized)
     with pytest.raises(SpecserveError, match="quantization must be one of"):
         quantize_model(model, "int3")
+
+
+needs_kernel = pytest.mark.skipif(not kernels.ops(), reason="projections are fused on specserve's kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", MODES)
+def test_projections_of_one_input_are_fused_with_the_same_bits(mode, tiny_model_dir):
+    """q/k/v (with Qwen2's biases) and gate/up run as one layer each: outputs bitwise those of the layers
+    alone, which keep working on views of the fused buffers; the model's logits do not change."""
+    model, _, _ = load_model(str(tiny_model_dir("qwen2")), quantization=mode)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
+    x = torch.randn(5, attn.q_proj.in_features)
+    for layers in groups:
+        fusion = layers[0].fusion
+        assert fusion.members == layers
+        for layer, together in zip(layers, project(x, *layers), strict=True):
+            assert torch.equal(together, layer(x))
+            assert (
+                layer.packed.untyped_storage().data_ptr() == fusion.layer.packed.untyped_storage().data_ptr()
+            )
+    assert attn.q_proj.fusion.layer.bias is not None  # Qwen2's q/k/v biases, side by side
+    tokens = prompts(1)[0]
+    fused_logits = PagedHarness(model, num_blocks=32).step([(0, tokens)])[0]
+    for module in model.modules():
+        module.__dict__.pop("fusion", None)  # every projection called on its own again
+    assert torch.equal(PagedHarness(model, num_blocks=32).step([(0, tokens)])[0][0], fused_logits[0])
+
+
+@pytest.mark.parametrize(
+    "gate,up,fused",
+    [
+        (("int4", 32, True), ("int4", 32, True), True),
+        (("int8", 32, True), ("int8", 32, True), True),
+        (("int4", 32, True), ("int8", 32, True), False),  # two formats
+        (("int4", 32, True), ("int4", 64, True), False),  # two group sizes
+        (("int4", 32, False), ("int4", 32, False), False),  # torch's kernel
+    ],
+)
+def test_only_layers_of_one_format_on_the_kernel_are_fused(gate, up, fused):
+    if (gate[2] or up[2]) and not kernels.ops():
+        pytest.skip("needs specserve's kernel")
+    mlp = GatedMLP(64, 128)
+    for name, (mode, group, on_kernel) in (("gate_proj", gate), ("up_proj", up)):
+        weight = random_weight(128, 64)
+        q = quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight, group)
+        setattr(mlp, name, (Int8Linear if mode == "int8" else Int4Linear)(*q, use_kernel=on_kernel))
+    x = torch.randn(3, 64)
+    alone = mlp(x)
+    assert fuse_projections(mlp) == int(fused) and fuse_projections(mlp) == 0  # once only
+    assert (getattr(mlp.gate_proj, "fusion", None) is not None) == fused
+    assert torch.equal(mlp(x), alone)
 
 
 @pytest.mark.parametrize("mode", MODES)

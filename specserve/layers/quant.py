@@ -47,13 +47,14 @@ small: `F.linear` is not invariant (linear.py). Everything around these layers m
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from specserve.config import QUANTIZATION_MODES, SpecserveError
 from specserve.layers import kernels
+from specserve.layers.fusion import Fusion
 from specserve.layers.linear import PackedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -220,11 +221,44 @@ def _kernel_call(op, x: torch.Tensor, bias: torch.Tensor | None, *weights: torch
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-class Int4Linear(nn.Module):
+class _QuantizedLinear(nn.Module):
+    """What the int4 and int8 layers share: their description, and building one from kernel buffers."""
+
+    KERNEL_BUFFERS: tuple[str, ...]  # the buffers of specserve's kernel layout, each [N / 16, ...]
+    in_features: int
+    out_features: int
+    group_size: int
+    bias: torch.Tensor | None
+    on_kernel: bool
+
+    @classmethod
+    def from_kernel_buffers(
+        cls, buffers: dict[str, torch.Tensor], in_features: int, group_size: int, bias: torch.Tensor | None
+    ):
+        """A layer on specserve's kernel holding `buffers` (already in its layout) as they are."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features = buffers["packed"].shape[0] * N_MULTIPLE
+        layer.in_features, layer.group_size, layer.bias, layer.on_kernel = in_features, group_size, bias, True
+        for name in cls.KERNEL_BUFFERS:
+            layer.register_buffer(name, buffers[name])
+        return layer
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={bias}, kernel={'specserve' if self.on_kernel else 'torch'}"
+        )
+
+
+class Int4Linear(_QuantizedLinear):
     """Inference-only linear layer with a group-wise int4 weight, w = (q - 8) * scales + zeros.
 
     On specserve's kernel when it is available (`use_kernel=None`), else on torch's: the buffers hold that
     kernel's packed layout. `weight` reads the dequantized fp32 weight that the layer computes with."""
+
+    KERNEL_BUFFERS = ("packed", "scales", "mins")
 
     def __init__(
         self,
@@ -290,19 +324,14 @@ class Int4Linear(nn.Module):
             )
         return _finish(self.matmul(_as_rows(x)), x, self.bias)
 
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, bias={bias}, kernel={'specserve' if self.on_kernel else 'torch'}"
-        )
 
-
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantizedLinear):
     """Inference-only linear layer with a group-wise symmetric int8 weight, w = q * scales (Q8_0's format).
 
     On specserve's kernel when it is available (`use_kernel=None`); else as two int4 planes of torch's
     kernel (`int8_from_q8_0`: two calls, outputs added in fp32). `weight`: the dequantized fp32 weight."""
+
+    KERNEL_BUFFERS = ("packed", "scales")
 
     def __init__(
         self,
@@ -339,15 +368,42 @@ class Int8Linear(nn.Module):
         y += self.residual.matmul(rows)
         return _finish(y, x, self.bias)
 
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, bias={bias}, kernel={'specserve' if self.on_kernel else 'torch'}"
-        )
-
 
 QuantizedLinear = Int8Linear | Int4Linear
+
+
+def side_by_side(layers: Sequence[QuantizedLinear]) -> QuantizedLinear | None:
+    """One layer whose output is the outputs of `layers` (the same input) concatenated, bitwise, or None
+    when they differ in kind, input or group size or are not all on specserve's kernel. Its layout is per
+    tile of 16 outputs, so their tiles simply follow one another; each layer is re-pointed at its part of
+    the new buffers (views), so no memory is added and each still works alone."""
+    first = layers[0]
+    same = all(
+        type(layer) is type(first)
+        and layer.on_kernel
+        and (layer.in_features, layer.group_size) == (first.in_features, first.group_size)
+        for layer in layers
+    )
+    if not same or not isinstance(first, Int4Linear | Int8Linear):
+        return None
+    buffers = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in first.KERNEL_BUFFERS}
+    biases = [layer.bias for layer in layers]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                torch.zeros(layer.out_features) if b is None else b.detach().float()
+                for layer, b in zip(layers, biases)
+            ]
+        )
+    fused = type(first).from_kernel_buffers(buffers, first.in_features, first.group_size, bias)
+    start = 0
+    for layer in layers:
+        tiles = slice(start, start + layer.out_features // N_MULTIPLE)
+        for name in first.KERNEL_BUFFERS:
+            setattr(layer, name, buffers[name][tiles])
+        start = tiles.stop
+    return fused
 
 
 def group_size_for(in_features: int, out_features: int, wanted: int = DEFAULT_GROUP_SIZE) -> int | None:
@@ -417,9 +473,10 @@ def quantize_model(
     loaded; works before or after `pack_linears`); returns how many were replaced.
 
     MoE routers stay fp32, and so does any weight the kernel cannot take (N % 16 != 0, or no group size
-    dividing K). `lm_head=None` follows `QUANTIZE_HEAD` (int4: quantized; int8: fp32). A head tied to the
-    embedding gets its own quantized copy; the embedding itself stays fp32 (a lookup reads one row per
-    token). Usable on a draft model on its own, independently of the target.
+    dividing K). Projections of one input are then fused (`fuse_projections`). `lm_head=None` follows
+    `QUANTIZE_HEAD` (int4: quantized; int8: fp32). A head tied to the embedding gets its own quantized
+    copy; the embedding itself stays fp32 (a lookup reads one row per token). Usable on a draft model on
+    its own, independently of the target.
     """
     count = 0
     for names in list(quantizable_linears(model, mode, lm_head)):
@@ -428,4 +485,25 @@ def quantize_model(
             new = quantize_linear(linear.weight, linear.bias, mode, group_size)
         replace_module(model, names, new)
         count += 1
+    fuse_projections(model)
+    return count
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every group a module names in `FUSED_PROJECTIONS` whose layers `side_by_side` can put in one
+    (layers/fusion.py); returns how many groups were fused. Groups fused already are left as they are."""
+    count = 0
+    for module in list(model.modules()):
+        for names in getattr(module, "FUSED_PROJECTIONS", ()):
+            layers = tuple(getattr(module, name, None) for name in names)
+            if not all(isinstance(layer, Int4Linear | Int8Linear) for layer in layers):
+                continue
+            if any(getattr(layer, "fusion", None) is not None for layer in layers):
+                continue
+            fused = side_by_side(layers)
+            if fused is not None:
+                fusion = Fusion(fused, layers, [layer.out_features for layer in layers])
+                for layer in layers:
+                    layer.fusion = fusion
+                count += 1
     return count

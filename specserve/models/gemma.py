@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.fusion import project
 from specserve.layers.linear import batch_invariant_linear
 from specserve.layers.mlp import GatedMLP, activation
 from specserve.layers.norm import RMSNorm
@@ -108,6 +109,9 @@ def _scaled_embedding(embedding: nn.Module, ids: torch.Tensor, scale: float) -> 
 
 
 class GemmaAttention(nn.Module):
+    # (q, k) for the layers whose V is K (attention_k_eq_v); KV-shared layers project only q
+    FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("q_proj", "k_proj"))
+
     def __init__(self, config, plan: LayerPlan, layer_idx: int, gemma4: bool):
         super().__init__()
         hidden, heads, d = config.hidden_size, config.num_attention_heads, plan.head_dim
@@ -131,19 +135,19 @@ class GemmaAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: Sequence[KVCache]
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, -1, self.head_dim))
         cache = kv_caches[self.kv_source]
         if self.owns_cache:
-            k = self.k_proj(x).view(n, -1, self.head_dim)
+            kv_layers = (self.k_proj,) if self.v_proj is None else (self.k_proj, self.v_proj)
+            q, *kv = (y.view(n, -1, self.head_dim) for y in project(x, self.q_proj, *kv_layers))
             # attention_k_eq_v: V is the K projection before k_norm (and before RoPE).
-            v = k if self.v_proj is None else self.v_proj(x).view(n, -1, self.head_dim)
-            k = self.k_norm(k)
+            k, v = kv[0], kv[-1]
+            q, k = self.q_norm(q), self.k_norm(k)
             if self.v_norm is not None:
                 v = self.v_norm(v)
             q, k = self.rotary(positions, q, k)
             cache.write(attn.slot_mapping, k, v)
         else:  # the source layer already wrote this step's K/V earlier in the same forward
-            (q,) = self.rotary(positions, q)
+            (q,) = self.rotary(positions, self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)))
         out = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, -1))
 

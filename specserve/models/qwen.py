@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.fusion import project
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.moe import Experts, route_topk
 from specserve.layers.norm import RMSNorm
@@ -44,6 +45,8 @@ def _is_moe_layer(config, layer_idx: int) -> bool:
 class QwenAttention(nn.Module):
     """`output_gate` (Qwen3-Next, Qwen3.5): q_proj also yields, per head, a gate g and the output is
     o * sigmoid(g). `norm_offset=1.0`: zero-centred q/k norms (scale 1 + w, in fp32)."""
+
+    FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"),)
 
     def __init__(
         self,
@@ -79,13 +82,14 @@ class QwenAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
         n = x.shape[0]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         gate = None
         if self.output_gate:  # per head: [q | gate]
-            q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         else:
-            q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+            q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
