@@ -29,7 +29,6 @@ class Fusion:
 def project(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each layer): in one call when they are, in this order, the members of one fusion."""
     fusion = getattr(layers[0], "fusion", None)
-    if fusion is not None and len(layers) == len(fusion.members):
-        if all(a is b for a, b in zip(layers, fusion.members, strict=True)):
-            return fusion.layer(x).split(fusion.sizes, dim=-1)
+    if fusion is not None and layers == fusion.members:  # nn.Module compares by identity
+        return fusion.layer(x).split(fusion.sizes, dim=-1)
     return tuple(layer(x) for layer in layers)

@@ -387,15 +387,10 @@ def side_by_side(layers: Sequence[QuantizedLinear]) -> QuantizedLinear | None:
     if not same or not isinstance(first, Int4Linear | Int8Linear):
         return None
     buffers = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in first.KERNEL_BUFFERS}
-    biases = [layer.bias for layer in layers]
     bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                torch.zeros(layer.out_features) if b is None else b.detach().float()
-                for layer, b in zip(layers, biases)
-            ]
-        )
+    if any(layer.bias is not None for layer in layers):
+        parts = [torch.zeros(x.out_features) if x.bias is None else x.bias.detach().float() for x in layers]
+        bias = torch.cat(parts)
     fused = type(first).from_kernel_buffers(buffers, first.in_features, first.group_size, bias)
     start = 0
     for layer in layers:
