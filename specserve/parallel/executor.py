@@ -163,15 +163,15 @@ class TensorParallelExecutor:
                 group.send(("shutdown", ()))
             except TensorParallelError:
                 pass
+        if group is not None:
+            group.close()  # meets the workers at the shutdown barrier before they exit
+            torch.set_num_threads(self._threads)
         for process in self.workers:
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if group is not None:
-            group.close()
-            torch.set_num_threads(self._threads)
         self.group = None
         self.workers = []
         atexit.unregister(self.close)

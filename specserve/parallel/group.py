@@ -66,6 +66,7 @@ class TensorParallelGroup:
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.handlers: dict[str, Callable] = {}
         self.in_command = shard.rank != 0  # a worker only ever runs inside a command
+        self.shut_down = False  # `shutdown` was sent (driver) or received (worker)
         # What crosses ranks, counted on this rank: pickled command bytes the driver broadcast, and the
         # bytes of the tensors it entered into all-reduces and all-gathers (each rank's own share).
         self.command_bytes = 0
@@ -120,6 +121,7 @@ class TensorParallelGroup:
         self.command_bytes += len(data)
         dist.broadcast(torch.tensor([len(data)]), src=0, group=self.commands)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.commands)
+        self.shut_down = command[0] == "shutdown"
 
     @_collective("command receive")
     def receive(self) -> tuple[str, tuple]:
@@ -127,7 +129,9 @@ class TensorParallelGroup:
         dist.broadcast(length, src=0, group=self.commands)
         data = torch.empty(int(length), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.commands)
-        return pickle.loads(data.numpy().tobytes())
+        command = pickle.loads(data.numpy().tobytes())
+        self.shut_down = command[0] == "shutdown"
+        return command
 
     def serve(self) -> None:
         """Worker: run the driver's commands until it sends `shutdown`."""
@@ -138,8 +142,20 @@ class TensorParallelGroup:
             self.handlers[name](*args)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the group. After a clean `shutdown` every rank first meets at a barrier: a rank that tore its
+        connections down while a peer's gloo threads still used them could abort that peer at exit."""
+        if not dist.is_initialized():
+            return
+        if self.shut_down and self.failure is None:
+            try:
+                self._farewell()
+            except TensorParallelError:
+                pass  # a peer is gone: nothing left to wait for
+        dist.destroy_process_group()
+
+    @_collective("shutdown barrier")
+    def _farewell(self) -> None:
+        dist.barrier()
 
     # ---- the model's collectives ------------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
