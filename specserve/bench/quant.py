@@ -44,7 +44,14 @@ from specserve.layers.quant import Int4Linear, Int8Linear, quantize_int4, quanti
 from specserve.llm import LLM
 from specserve.worker.model_runner import PieceInput
 
-MODES = ("fp32", "int8", "int4")
+# mode -> (quantization, dtype): fp32 and bf16 pinned (dtype "auto" means either, by CPU); the quantized
+# modes run with "auto" around their linears, as a user gets them.
+MODES = {
+    "fp32": (None, "float32"),
+    "bf16": (None, "bfloat16"),
+    "int8": ("int8", "auto"),
+    "int4": ("int4", "auto"),
+}
 KERNEL_SHAPES = [("q/o", 1536, 1536), ("k/v", 1536, 256), ("gate/up", 1536, 8960), ("down", 8960, 1536)]
 KERNEL_SHAPES += [("lm_head", 1536, 151936)]
 KERNEL_M = [1, 2, 4, 8, 16, 64, 256]
@@ -170,14 +177,20 @@ class LlamaCpp:
 class Specserve:
     """One of our engines, timed like LlamaCpp."""
 
-    def __init__(self, model: str, quantization: str | None, max_model_len: int, torch_kernel: bool = False):
-        """`torch_kernel`: quantized layers on torch's int4 kernel instead of specserve's (layers/kernels)."""
+    def __init__(self, model: str, mode: str, max_model_len: int, torch_kernel: bool = False):
+        """`mode`: one of MODES; `torch_kernel`: quantized layers on torch's int4 kernel instead of
+        specserve's (layers/kernels)."""
+        quantization, dtype = MODES[mode]
         previous = os.environ.get(kernels.ENV_VAR)
         if torch_kernel:
             os.environ[kernels.ENV_VAR] = "1"  # read when the layers are built
         try:
             self.llm = LLM(
-                model, quantization=quantization, max_model_len=max_model_len, kv_cache_memory="512MiB"
+                model,
+                quantization=quantization,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                kv_cache_memory="512MiB",
             )
         finally:
             if previous is None:
@@ -326,9 +339,9 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """One phase per mode (fp32, int8, int4 do not fit in memory together here). In a quantized phase the
-    mode runs on specserve's kernel and on torch's side by side; llama.cpp, where installed, stays loaded:
-    engines of one phase are timed in turn, round by round, under the same load."""
+    """One phase per mode (fp32, bf16, int8, int4 do not fit in memory together here). In a quantized phase
+    the mode runs on specserve's kernel and on torch's side by side; llama.cpp, where installed, stays
+    loaded: engines of one phase are timed in turn, round by round, under the same load."""
     from specserve.models.gguf import gguf_source
     from specserve.models.loader import load_tokenizer, resolve_model
 
@@ -361,10 +374,9 @@ def run(args: argparse.Namespace) -> dict:
     weight_bytes: dict[str, int] = {}
     for mode in args.modes:
         start = time.perf_counter()
-        quantization = None if mode == "fp32" else mode
-        ours = {mode: Specserve(args.model, quantization, max_len)}
-        if quantization and args.torch and kernels.ops() is not None:
-            ours[f"{mode} torch"] = Specserve(args.model, quantization, max_len, torch_kernel=True)
+        ours = {mode: Specserve(args.model, mode, max_len)}
+        if MODES[mode][0] and args.torch and kernels.ops() is not None:
+            ours[f"{mode} torch"] = Specserve(args.model, mode, max_len, torch_kernel=True)
         weight_bytes.update({name: engine.weight_bytes for name, engine in ours.items()})
         print(f"\n== {mode} (loaded in {time.perf_counter() - start:.0f} s)", flush=True)
         engines = {**ours, **({"llama.cpp": llama} if llama else {})}
