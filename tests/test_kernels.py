@@ -24,7 +24,7 @@ from specserve.layers.quant import (
 
 ops = kernels.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="specserve's kernels are not built here")
-ISAS = list(range(ops.best_isa() + 1)) if ops is not None else []  # 0 scalar, 1 AVX2, 2 AVX-512 VNNI
+ISAS = list(range(ops.best_isa() + 1)) if ops is not None else []  # 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX
 SHAPES = [(64, 16, 32), (256, 48, 32), (256, 32, 64), (512, 16, 128)]  # (K, N, group size)
 
 
@@ -90,13 +90,13 @@ def test_activation_quantization_equals_the_reference_bitwise(isa):
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_every_path_equals_the_scalar_one_and_rows_do_not_depend_on_m(mode, k, n, group):
     """Bitwise: each ISA path against the scalar path, and each row of an M-row call (M = 1..16, and a
-    prefill-sized 37) against that row computed alone."""
+    prefill-sized 37) against that row computed alone; -1 (the best path, which may change with M) too."""
     weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
     bias = torch.randn(n)
     call = (int4_call if mode == "int4" else int8_call)(*weights, bias)
     x = inputs(37, k)
     scalar = call(x, 0)
-    for isa in ISAS:
+    for isa in [*ISAS, -1]:
         alone = torch.cat([call(x[i : i + 1], isa) for i in range(len(x))])
         assert torch.equal(alone, scalar), f"path {isa} differs from the scalar one"
         for m in [*range(1, 17), 37]:

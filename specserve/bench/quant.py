@@ -40,7 +40,15 @@ from specserve.config import SamplingParams
 from specserve.core.sequence import Sequence
 from specserve.layers import kernels
 from specserve.layers.linear import PackedLinear, onednn_linear_padded, onednn_pack
-from specserve.layers.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_linear
+from specserve.layers.quant import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    kernel_call,
+    quantize_int4,
+    quantize_int8,
+    quantize_linear,
+)
 from specserve.llm import LLM
 from specserve.worker.model_runner import PieceInput
 
@@ -90,10 +98,20 @@ def _int8pack(weight: torch.Tensor):
     return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).float()
 
 
+VNNI = kernels.ISA_NAMES.index("avx512_vnni")
+
+
+def _on_path(layer: QuantizedLinear, isa: int):
+    """A quantized layer's forward with its kernel pinned to one ISA path."""
+    op = torch.ops.specserve.int4_linear if isinstance(layer, Int4Linear) else torch.ops.specserve.int8_linear
+    buffers = [getattr(layer, name) for name in layer.KERNEL_BUFFERS]
+    return lambda x: kernel_call(lambda *args: op(*args, isa), x, layer.bias, *buffers)
+
+
 def bench_kernels(rounds: int, m_values: list[int]) -> dict:
     """ms per call of each linear kernel at each (shape, M), interleaved: fp32 oneDNN, int8 and int4 on
-    specserve's kernel (where built) and on torch's (int8 as two int4 planes; int4 at group sizes 32 and
-    128), torch's per-channel int8 kernel (for comparison)."""
+    specserve's kernel (where built; with AMX, also on its VNNI path alone) and on torch's (int8 as two int4
+    planes; int4 at group sizes 32 and 128), torch's per-channel int8 kernel (for comparison)."""
     results: dict = {}
     for name, k, n in KERNEL_SHAPES:
         copies = max(1, CACHE_FLUSH_BYTES // (n * k * 4))
@@ -107,9 +125,13 @@ def bench_kernels(rounds: int, m_values: list[int]) -> dict:
             "int4 torch": [Int4Linear(*quantize_int4(w, 32), use_kernel=False) for w in weights],
             "int4 torch g128": [Int4Linear(*quantize_int4(w, 128), use_kernel=False) for w in weights],
         }
-        if kernels.ops() is not None:
+        ops = kernels.ops()
+        if ops is not None:
             calls_of["int8"] = [quantize_linear(w, None, "int8") for w in weights]
             calls_of["int4"] = [quantize_linear(w, None, "int4") for w in weights]
+            if kernels.isa_name() == "amx":  # the layers pick AMX from a few rows on: VNNI alone beside it
+                for mode in ("int8", "int4"):
+                    calls_of[f"{mode} vnni"] = [_on_path(layer, VNNI) for layer in calls_of[mode]]
         del weights
         print(f"\n{name} {k}->{n}: ms per call, median of {rounds} (x = speed relative to fp32)", flush=True)
         results[name] = {}

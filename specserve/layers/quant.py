@@ -213,7 +213,7 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     return y if bias is None else y + bias.to(x.dtype)
 
 
-def _kernel_call(op, x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
+def kernel_call(op, x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
     """specserve's kernel on [..., K] in any float dtype: it takes contiguous fp32 rows, adds the bias."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
@@ -319,7 +319,7 @@ class Int4Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_kernel:
-            return _kernel_call(
+            return kernel_call(
                 torch.ops.specserve.int4_linear, x, self.bias, self.packed, self.scales, self.mins
             )
         return _finish(self.matmul(_as_rows(x)), x, self.bias)
@@ -362,7 +362,7 @@ class Int8Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_kernel:
-            return _kernel_call(torch.ops.specserve.int8_linear, x, self.bias, self.packed, self.scales)
+            return kernel_call(torch.ops.specserve.int8_linear, x, self.bias, self.packed, self.scales)
         rows = _as_rows(x)
         y = self.coarse.matmul(rows).float()
         y += self.residual.matmul(rows)

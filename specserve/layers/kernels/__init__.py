@@ -6,7 +6,8 @@ the built library directly. Nothing is printed on success. Without a compiler, w
 a CPU without AVX2, `ops()` returns None after one log line and the quantized layers keep torch's own
 int4 kernel (specserve/layers/quant.py). `SPECSERVE_NO_KERNELS=1` forces that fallback.
 
-The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI):
+The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI,
+3 AMX):
     int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
     quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), parallel_threads()
 """
@@ -31,7 +32,7 @@ NAME = "specserve_qlinear"
 # -ffp-contract=off: no fused multiply-adds but the written ones, so every path rounds alike. -fopenmp:
 # without it ATen's parallel_for compiles to a serial loop here (the symbols resolve to torch's libgomp).
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-ISA_NAMES = ("scalar", "avx2", "avx512_vnni")
+ISA_NAMES = ("scalar", "avx2", "avx512_vnni", "amx")
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -108,6 +109,7 @@ def ops():
 
 
 def isa_name() -> str:
-    """What the quantized layers run on: "avx512_vnni", "avx2", or "torch" (the fallback)."""
+    """What the quantized layers run on: "amx" (single rows on AVX-512 VNNI), "avx512_vnni", "avx2", or
+    "torch" (the fallback)."""
     loaded = ops()
     return "torch" if loaded is None else ISA_NAMES[loaded.best_isa()]

@@ -2,24 +2,29 @@
 //
 // Activations are quantized to int8 per block of 32 inputs (scale = max|x| / 127, as llama.cpp's Q8_0),
 // weights stay 4- or 8-bit codes with one fp16 scale (and, for int4, one fp16 minimum) per group of G >= 32
-// inputs; each block's dot product is exact integer arithmetic (AVX2 maddubs / madd, or AVX-512 VNNI
-// dpbusd), and one block at a time is folded into an fp32 accumulator per output element:
+// inputs; each block's dot product is exact integer arithmetic (AVX2 maddubs / madd, AVX-512 VNNI dpbusd
+// or AMX tile multiplies), and one block at a time is folded into an fp32 accumulator per output element:
 //     acc = fma(float(dot_b), w_scale * x_scale_b, acc);  acc = fma(w_min, x_scale_b * sum_b(x_q), acc)
 // in the order b = 0, 1, ..., whatever the number of rows M: a row's output is bitwise independent of the
 // other rows of the call and of M (rows only share the unpacking of a weight tile). The integer dot
 // products are exact on every path, and the float steps are the same instructions lane by lane, so the
-// scalar, AVX2 and AVX-512 paths give bitwise the same results (the tests compare them).
+// scalar, AVX2, AVX-512 and AMX paths give bitwise the same results (the tests compare them); so a call
+// may pick its path by M (AMX from a few rows on) without a row's result depending on the others.
 //
 // Layouts (built by specserve/layers/quant.py), for N outputs in tiles of 16 and K inputs:
-//   int4 codes  uint8 [N/16, K/8, 64]: line l holds two quads of inputs, 4l..4l+3 in the low nibbles and
-//               4l+4..4l+7 in the high ones, byte 4c + j = output 16t + c, input (quad) + j
+//   int4 codes  uint8 [N/16, K/8, 64]: line l holds two quads of inputs, 8l..8l+3 in the low nibbles and
+//               8l+4..8l+7 in the high ones, byte 4c + j = output 16t + c, input (quad) + j
 //   int8 codes  int8 [N/16, K/4, 64]: line l holds inputs 4l..4l+3, byte 4c + j as above
 //   scales, mins fp16 [N/16, K/G, 16]
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,14 +38,28 @@ namespace {
 constexpr int64_t kBlock = 32;  // inputs per activation block, the smallest weight group
 constexpr int64_t kTile = 16;   // output columns per weight tile
 constexpr int kRows = 4;        // rows sharing one pass over a weight tile (registers)
+constexpr int kAmxRows = 16;    // rows of one AMX tile multiply
+// From this many rows on AMX beats VNNI (measured on Sapphire Rapids at the 1.5B's shapes): below, VNNI
+// reads the weights at memory speed, while AMX pays a fixed cost a block (int4 unpacking, tile stores).
+constexpr int kAmxMinRowsInt4 = 10, kAmxMinRowsInt8 = 5;
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// AMX needs the CPU's tile and int8 units (CPUID 7.0 EDX bits 24, 25) and the kernel's leave to use the
+// tile registers (Linux >= 5.16 grants it per process on request).
+bool amx_usable() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25)))
+    return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
 
 int64_t best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
-    return kAvx512;
+    return amx_usable() ? kAmx : kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return kAvx2;
   return kScalar;
@@ -278,6 +297,138 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
   }
 }
 
+// --------------------------------------------------------------------------------------------- AMX
+// Intel AMX (Sapphire Rapids on): one tile multiply gives a block's exact int32 dot products for up to 16
+// rows x 16 columns (VNNI needs 8 instructions per row); the dot products go through memory to the
+// AVX-512 path's float steps, so the bits are the same. Two sets of tiles take alternate blocks, so one
+// block's multiply can overlap the next one's loads: tiles 3s = activations [rows, 32] int8, 3s + 1 = a
+// block of weights [8, 64] (4 inputs of 16 columns a line: the codes' own layout, int4 unpacked to
+// bytes), 3s + 2 = the dot products [rows, 16] int32.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure(int rows) {
+  TileConfig c;
+  for (int set = 0; set < 2; ++set) {
+    c.rows[3 * set] = rows, c.colsb[3 * set] = kBlock;
+    c.rows[3 * set + 1] = kBlock / 4, c.colsb[3 * set + 1] = 64;
+    c.rows[3 * set + 2] = rows, c.colsb[3 * set + 2] = kTile * 4;
+  }
+  // not _tile_loadconfig: gcc 12 does not see that it reads the struct and drops the stores above
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// A block's dot products into `dots` on tiles X (activations), W (weights), D (dot products). gcc 12's
+// tile intrinsics paste their tile numbers into the assembly text (literals only), hence a macro.
+#define SPECSERVE_AMX_DOTS(X, W, D, x, stride, weights, dots)            \
+  do {                                                                  \
+    _tile_zero(D);                                                      \
+    _tile_loadd(X, x, stride);                                          \
+    _tile_loadd(W, weights, 64);                                        \
+    if (kInt4)                                                          \
+      _tile_dpbsud(D, X, W); /* signed activations x unsigned codes */ \
+    else                                                                \
+      _tile_dpbssd(D, X, W);                                            \
+    _tile_stored(D, dots, kTile * 4);                                   \
+  } while (0)
+
+// The AVX-512 path's float steps for block b's dot products `d` of R rows.
+template <int R, bool kInt4>
+__attribute__((target("avx512f,avx512bw"))) inline void amx_finish(__m512* acc, const Weights& w,
+                                                                  const Acts& a, int64_t r0, int64_t b,
+                                                                  const int32_t* d) {
+  const int64_t g = (b >> w.gshift) * kTile;
+  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + g)));
+  const __m512 mn = kInt4
+                        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + g)))
+                        : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * a.nb + b;
+    const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(d + r * kTile)), s, acc[r]);
+    if (kInt4) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sum[i]), acc[r]);
+  }
+}
+
+constexpr int64_t kAmxChunk = 16;  // int4 blocks unpacked at a time (8 KiB, stays in L1)
+
+// The configured tile rows (>= R) of activations are read from row r0 on (the caller pads past M with
+// zero rows); R of them are finished.
+template <int R, bool kInt4>
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(const Weights& w,
+                                                                          const Acts& a, int64_t r0,
+                                                                          const float* bias, float* out,
+                                                                          int64_t ldo) {
+  alignas(64) uint8_t unpacked[kAmxChunk * 8 * 64];
+  alignas(64) int32_t dots[kAmxChunk][kAmxRows * kTile];
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t stride = a.nb * kBlock;
+  for (int64_t b0 = 0; b0 < a.nb; b0 += kAmxChunk) {
+    const int64_t b1 = std::min(a.nb, b0 + kAmxChunk);
+    // the weights of the chunk's block j, 512 bytes
+    auto weights = [&](int64_t j) { return kInt4 ? unpacked + j * 512 : w.codes + (b0 + j) * 512; };
+    if (kInt4)
+      for (int64_t l = 4 * b0; l < 4 * b1; ++l) {  // line l -> quads 2l (low nibbles), 2l + 1 (high)
+        const __m512i v = _mm512_loadu_si512(w.codes + l * 64);
+        uint8_t* to = unpacked + (l - 4 * b0) * 128;
+        _mm512_store_si512(to, _mm512_and_si512(v, nibble));
+        _mm512_store_si512(to + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+      }
+    // all the chunk's tile multiplies, then its float steps: these then read settled memory
+    const int8_t* x = a.q + r0 * stride;
+    for (int64_t b = b0; b < b1; b += 2) {
+      SPECSERVE_AMX_DOTS(0, 1, 2, x + b * kBlock, stride, weights(b - b0), dots[b - b0]);
+      if (b + 1 < b1)
+        SPECSERVE_AMX_DOTS(3, 4, 5, x + (b + 1) * kBlock, stride, weights(b + 1 - b0), dots[b + 1 - b0]);
+    }
+    for (int64_t b = b0; b < b1; ++b) amx_finish<R, kInt4>(acc, w, a, r0, b, dots[b - b0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 y = acc[r];
+    if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(out + r * ldo, y);
+  }
+}
+
+template <bool kInt4>
+void rows_of_tile_amx(const Weights& w, const Acts& a, int64_t rows, const float* bias, float* out,
+                      int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+    float* o = out + r0 * ldo;
+    switch (std::min<int64_t>(kAmxRows, rows - r0)) {
+#define SPECSERVE_TILE(R)                       \
+  case R:                                       \
+    tile_amx<R, kInt4>(w, a, r0, bias, o, ldo); \
+    break;
+      SPECSERVE_TILE(1)
+      SPECSERVE_TILE(2)
+      SPECSERVE_TILE(3)
+      SPECSERVE_TILE(4)
+      SPECSERVE_TILE(5)
+      SPECSERVE_TILE(6)
+      SPECSERVE_TILE(7)
+      SPECSERVE_TILE(8)
+      SPECSERVE_TILE(9)
+      SPECSERVE_TILE(10)
+      SPECSERVE_TILE(11)
+      SPECSERVE_TILE(12)
+      SPECSERVE_TILE(13)
+      SPECSERVE_TILE(14)
+      SPECSERVE_TILE(15)
+      SPECSERVE_TILE(16)
+#undef SPECSERVE_TILE
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------ driver
 
 template <bool kInt4>
@@ -357,9 +508,18 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
     TORCH_CHECK(
         bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
         "bias: contiguous fp32 [N]");
-  isa = resolve_isa(isa);
-  const auto [q, scale, sum] = quantize_rows(x, isa);
   const int64_t m = x.size(0);
+  const bool automatic = isa < 0;
+  isa = resolve_isa(isa);
+  if (automatic && isa == kAmx && m < (int4 ? kAmxMinRowsInt4 : kAmxMinRowsInt8)) isa = kAvx512;
+  // AMX reads whole tiles of 16 rows past the first 16: zero rows pad the last one
+  const int64_t padded = isa == kAmx && m > kAmxRows ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
+  at::Tensor xp = x;
+  if (padded > m) {
+    xp = at::zeros({padded, k}, x.options());
+    xp.narrow(0, 0, m).copy_(x);
+  }
+  const auto [q, scale, sum] = quantize_rows(xp, isa);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock};
@@ -373,15 +533,20 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   // split over output tiles only: every element is computed the same way whatever the thread count
   const int64_t grain = std::max<int64_t>(1, 32768 / (k * std::min<int64_t>(m, kRows)));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    if (isa == kAmx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRows)));  // per thread
     for (int64_t t = t0; t < t1; ++t) {
       const Weights w{cp + t * tile_bytes, sp + t * groups * kTile, mp ? mp + t * groups * kTile : nullptr,
                       gshift};
       const float* b = bp ? bp + t * kTile : nullptr;
-      if (int4)
-        rows_of_tile<true>(isa, w, acts, m, b, op + t * kTile, n);
+      float* o = op + t * kTile;
+      if (isa == kAmx)
+        int4 ? rows_of_tile_amx<true>(w, acts, m, b, o, n) : rows_of_tile_amx<false>(w, acts, m, b, o, n);
+      else if (int4)
+        rows_of_tile<true>(isa, w, acts, m, b, o, n);
       else
-        rows_of_tile<false>(isa, w, acts, m, b, op + t * kTile, n);
+        rows_of_tile<false>(isa, w, acts, m, b, o, n);
     }
+    if (isa == kAmx) amx_release();
   });
   return out;
 }
