@@ -241,18 +241,22 @@ class Specserve:
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights a batch-1 decode step reads: every linear layer as stored (quantized codes, scales
-    and minimums, or fp32), a head tied to the embedding included; not the embedding rows it indexes."""
+    and minimums, or fp32 / bf16), a head tied to the embedding included; not the embedding rows it
+    indexes."""
     total, has_head = 0, False
     for name, module in model.named_modules():
         if isinstance(module, Int4Linear | Int8Linear):
             total += sum(b.numel() * b.element_size() for b in module.buffers())
-        elif isinstance(module, torch.nn.Linear | PackedLinear):
+        elif isinstance(module, PackedLinear):  # fp32 only
             total += module.in_features * module.out_features * 4
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
         else:
             continue
         has_head |= name.endswith("lm_head")
     if not has_head:
-        total += model.model.embed_tokens.weight.numel() * 4
+        embedding = model.model.embed_tokens.weight
+        total += embedding.numel() * embedding.element_size()
     return total
 
 

@@ -11,14 +11,14 @@ Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the 
 specserve's kernel (qlinear.cpp; chosen over torch.compile's CPU path by the measurements in
 docs/quantization.md): activations are quantized to int8 per block of 32 inputs, dynamically (scale
 max|x| / 127, as llama.cpp's Q8_0 activations), each block's dot product is exact integer arithmetic
-(AVX2 maddubs, AVX-512 VNNI dpbusd), and the block results are summed in fp32, which is also the output
-dtype. Per block, not per row: one outlier input (Qwen's MLP activations have some hundreds of times the
-median) then costs resolution only in its own block. That rounding is the error the kernel adds: at most
-half an int8 step per input, max|x| / 254 in its block (0.5% rms of the output on Gaussian data, as
-much as int8's own weight rounding adds). Scales
-(and int4's minimums, z - 8 s) are stored in fp16: bf16 scales and Q4_0 / Q8_0's fp16 scales are exact
-in it, minimums and Q4_K's scales round within 2^-11; a layer whose scales overflow fp16 keeps torch's
-kernel. `SPECSERVE_NO_KERNELS=1`, a failed build or a CPU without AVX2 give torch's kernel everywhere.
+(AVX2 maddubs, AVX-512 VNNI dpbusd, AMX tile multiplies), and the block results are summed in fp32,
+which is also the output dtype. Per block, not per row: one outlier input (Qwen's MLP activations have
+some hundreds of times the median) then costs resolution only in its own block. That rounding is the
+error the kernel adds: at most half an int8 step per input, max|x| / 254 in its block (0.5% rms of the
+output on Gaussian data, as much as int8's own weight rounding adds). Scales (and int4's minimums, z - 8
+s) are stored in fp16: bf16 scales and Q4_0 / Q8_0's fp16 scales are exact in it, minimums and Q4_K's
+scales round within 2^-11; a layer whose scales overflow fp16 keeps torch's kernel.
+`SPECSERVE_NO_KERNELS=1`, a failed build or a CPU without AVX2 give torch's kernel everywhere.
 
 torch's kernel (`aten._weight_int4pack_mm_for_cpu`, weight packed by `_convert_weight_to_int4pack_for_cpu`,
 scales and zeros bf16, [K / G, N, 2]): vectorized on x86 only for bf16 inputs, so the layer's input and
