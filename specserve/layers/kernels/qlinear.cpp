@@ -240,6 +240,35 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Weights& w, const 
 // ----------------------------------------------------------------------------------- AVX-512 VNNI
 // The AVX2 path with 16 columns a vector and dpbusd for maddubs + madd + add (exact integers alike).
 
+// Block b's exact int32 dot products (R rows x 16 outputs) into the fp32 accumulators: the float steps
+// of both 512-bit paths, instruction for instruction.
+template <int R, bool kInt4>
+__attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512* acc, const __m512i* dot,
+                                                                         const Weights& w, const Acts& a,
+                                                                         int64_t r0, int64_t b) {
+  const int64_t g = (b >> w.gshift) * kTile;
+  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + g)));
+  const __m512 mn = kInt4
+                        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + g)))
+                        : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * a.nb + b;
+    const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+    if (kInt4) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sum[i]), acc[r]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f"))) inline void store_rows_avx512(const __m512* acc, const float* bias,
+                                                                float* out, int64_t ldo) {
+  for (int r = 0; r < R; ++r) {
+    __m512 y = acc[r];
+    if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(out + r * ldo, y);
+  }
+}
+
 template <int R, bool kInt4>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const Weights& w, const Acts& a,
                                                                         int64_t r0, const float* bias,
@@ -248,8 +277,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
-    const int64_t g = (b >> w.gshift) * kTile;
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + g)));
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = a.q + ((r0 + r) * a.nb + b) * kBlock;
     __m512i dot[R];
@@ -280,30 +307,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
         }
       }
     }
-    const __m512 mn = kInt4
-                          ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + g)))
-                          : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * a.nb + b;
-      const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
-      if (kInt4) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sum[i]), acc[r]);
-    }
+    fold_block_avx512<R, kInt4>(acc, dot, w, a, r0, b);
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 y = acc[r];
-    if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
-    _mm512_storeu_ps(out + r * ldo, y);
-  }
+  store_rows_avx512<R>(acc, bias, out, ldo);
 }
 
 // --------------------------------------------------------------------------------------------- AMX
 // Intel AMX (Sapphire Rapids on): one tile multiply gives a block's exact int32 dot products for up to 16
-// rows x 16 columns (VNNI needs 8 instructions per row); the dot products go through memory to the
-// AVX-512 path's float steps, so the bits are the same. Two sets of tiles take alternate blocks, so one
-// block's multiply can overlap the next one's loads: tiles 3s = activations [rows, 32] int8, 3s + 1 = a
-// block of weights [8, 64] (4 inputs of 16 columns a line: the codes' own layout, int4 unpacked to
-// bytes), 3s + 2 = the dot products [rows, 16] int32.
+// rows x 16 columns (VNNI needs 8 instructions per row); the dot products go through memory to the AVX-512
+// path's float steps (fold_block_avx512), so the bits are the same. Two sets of tiles take alternate
+// blocks, so one block's multiply can overlap the next one's loads: tiles 3s = activations [rows, 32]
+// int8, 3s + 1 = a block of weights [8, 64] (4 inputs of 16 columns a line: the codes' own layout, int4
+// unpacked to bytes), 3s + 2 = the dot products [rows, 16] int32.
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -338,24 +353,6 @@ __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
     _tile_stored(D, dots, kTile * 4);                                   \
   } while (0)
 
-// The AVX-512 path's float steps for block b's dot products `d` of R rows.
-template <int R, bool kInt4>
-__attribute__((target("avx512f,avx512bw"))) inline void amx_finish(__m512* acc, const Weights& w,
-                                                                  const Acts& a, int64_t r0, int64_t b,
-                                                                  const int32_t* d) {
-  const int64_t g = (b >> w.gshift) * kTile;
-  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + g)));
-  const __m512 mn = kInt4
-                        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + g)))
-                        : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    const int64_t i = (r0 + r) * a.nb + b;
-    const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(d + r * kTile)), s, acc[r]);
-    if (kInt4) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sum[i]), acc[r]);
-  }
-}
-
 constexpr int64_t kAmxChunk = 16;  // int4 blocks unpacked at a time (8 KiB, stays in L1)
 
 // The configured tile rows (>= R) of activations are read from row r0 on (the caller pads past M with
@@ -389,13 +386,13 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(cons
       if (b + 1 < b1)
         SPECSERVE_AMX_DOTS(3, 4, 5, x + (b + 1) * kBlock, stride, weights(b + 1 - b0), dots[b + 1 - b0]);
     }
-    for (int64_t b = b0; b < b1; ++b) amx_finish<R, kInt4>(acc, w, a, r0, b, dots[b - b0]);
+    for (int64_t b = b0; b < b1; ++b) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_load_si512(dots[b - b0] + r * kTile);
+      fold_block_avx512<R, kInt4>(acc, dot, w, a, r0, b);
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 y = acc[r];
-    if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
-    _mm512_storeu_ps(out + r * ldo, y);
-  }
+  store_rows_avx512<R>(acc, bias, out, ldo);
 }
 
 template <bool kInt4>
