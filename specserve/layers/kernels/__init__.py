@@ -109,7 +109,7 @@ def ops():
 
 
 def isa_name() -> str:
-    """What the quantized layers run on: "amx" (single rows on AVX-512 VNNI), "avx512_vnni", "avx2", or
-    "torch" (the fallback)."""
+    """What the quantized layers run on: "amx" (calls of a few rows on AVX-512 VNNI), "avx512_vnni",
+    "avx2", or "torch" (the fallback)."""
     loaded = ops()
     return "torch" if loaded is None else ISA_NAMES[loaded.best_isa()]

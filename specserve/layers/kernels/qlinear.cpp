@@ -17,7 +17,6 @@
 //   int8 codes  int8 [N/16, K/4, 64]: line l holds inputs 4l..4l+3, byte 4c + j as above
 //   scales, mins fp16 [N/16, K/G, 16]
 #include <ATen/Parallel.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -462,13 +461,16 @@ int64_t resolve_isa(int64_t isa) {
   return isa < 0 ? best : isa;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t isa) {
+// The codes get `rows` >= M rows, zeros past M (AMX reads whole tiles of rows); scales and sums M.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_padded(const at::Tensor& x, int64_t isa,
+                                                                   int64_t rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous fp32 [M, K]");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
   isa = resolve_isa(isa);
   const int64_t m = x.size(0), nb = x.size(1) / kBlock;
-  at::Tensor q = at::empty({m, nb * kBlock}, x.options().dtype(at::kChar));
+  at::Tensor q = at::empty({rows, nb * kBlock}, x.options().dtype(at::kChar));
+  if (rows > m) q.narrow(0, m, rows - m).zero_();
   at::Tensor scale = at::empty({m, nb}, x.options()), sum = at::empty({m, nb}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -480,6 +482,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
       quantize_block_avx2(xp + i * kBlock, qp + i * kBlock, sp + i, up + i);
   }
   return {q, scale, sum};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t isa) {
+  return quantize_rows_padded(x, isa, x.size(0));
 }
 
 at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -509,14 +515,9 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   const bool automatic = isa < 0;
   isa = resolve_isa(isa);
   if (automatic && isa == kAmx && m < (int4 ? kAmxMinRowsInt4 : kAmxMinRowsInt8)) isa = kAvx512;
-  // AMX reads whole tiles of 16 rows past the first 16: zero rows pad the last one
-  const int64_t padded = isa == kAmx && m > kAmxRows ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
-  at::Tensor xp = x;
-  if (padded > m) {
-    xp = at::zeros({padded, k}, x.options());
-    xp.narrow(0, 0, m).copy_(x);
-  }
-  const auto [q, scale, sum] = quantize_rows(xp, isa);
+  // past the first 16 rows AMX reads whole tiles of 16: the last one is padded
+  const int64_t rows = isa == kAmx && m > kAmxRows ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
+  const auto [q, scale, sum] = quantize_rows_padded(x, isa, rows);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock};
