@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import SpecserveError
+from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 from specserve.layers.quant import check_mode, quantize_model
 from specserve.models import local_models
@@ -289,4 +290,5 @@ def load_model(
     if quantization:
         quantize_model(net, quantization)  # everything not read quantized from a GGUF (a tied head, ...)
     pack_linears(net)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
+    place_on_huge_pages(net)
     return net, config, load_tokenizer(model_dir)

@@ -12,6 +12,7 @@ from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.block_manager import BlockManager
 from specserve.core.sequence import Sequence
 from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
+from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 from specserve.layers.quant import quantize_model
 from specserve.spec_decode.context import TargetContext
@@ -115,6 +116,7 @@ class HiddenStateDrafter(Drafter):
         if spec.quantization is not None:
             quantize_model(model, spec.quantization)
         pack_linears(model)
+        place_on_huge_pages(model)
         return model
 
     # ---- context bookkeeping ------------------------------------------------------------------------

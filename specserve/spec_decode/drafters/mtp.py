@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 from specserve.layers.quant import quantize_model
 from specserve.models.loader import iter_checkpoint_tensors
@@ -67,6 +68,7 @@ class MTPDrafter(Eagle3Drafter):
         if spec.quantization is not None:
             quantize_model(predictor, spec.quantization)
         pack_linears(predictor)
+        place_on_huge_pages(predictor)
         attention = predictor.layers[0].self_attn
         hidden = target.model_config.hidden_size
         layout = DrafterLayout(
