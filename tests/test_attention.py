@@ -1,5 +1,6 @@
 """Paged attention: every path against a float64 reference, and the batch invariance of short pieces' rows
-(a row attended among others, bitwise as it is alone: what makes greedy speculation equal greedy decoding)."""
+(a row attended among others, bitwise as it is alone: what makes greedy speculation equal greedy decoding).
+Every test runs twice: short rows on specserve's compiled kernel, and on torch's SDPA (the fallback)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from specserve.layers import attention, kernels
 from specserve.layers.attention import BATCHED_PIECE_MAX_LEN, AttentionMetadata, KVCache, sdpa_paged_attention
 
 BLOCK = 16
@@ -15,6 +17,15 @@ MAX_LEN = 640
 NUM_SEQS = 8
 # (head_dim, query heads, KV heads): MHA, Qwen2.5-0.5B's GQA, MQA, and Gemma's widest heads
 SHAPES = [(32, 4, 4), (64, 14, 2), (128, 8, 1), (256, 4, 2)]
+
+
+@pytest.fixture(autouse=True, params=["kernel", "sdpa"])
+def rows_backend(request, monkeypatch) -> str:
+    if request.param == "kernel" and kernels.ops() is None:
+        pytest.skip("specserve's kernels are not built here")
+    if request.param == "sdpa":
+        monkeypatch.setenv(kernels.ENV_VAR, "1")
+    return request.param
 
 
 @dataclass
@@ -40,7 +51,7 @@ class Setup:
             BLOCK,
             causal=causal,
         )
-        q = torch.stack([self.queries[seq, pos] for seq, pos in rows])
+        q = torch.stack([self.queries[seq, pos] for seq, pos in rows]).to(self.cache.k.dtype)
         out = sdpa_paged_attention(q, self.cache, meta, 0.125, sliding_window, logit_softcap)
         return dict(zip(rows, out, strict=True))
 
@@ -54,7 +65,7 @@ class Setup:
         table = self.tables[seq]
         slots = torch.tensor([table[j // BLOCK] * BLOCK + j % BLOCK for j in range(first, key_end)])
         k, v = (c.flatten(0, 1)[slots].transpose(0, 1).double() for c in (self.cache.k, self.cache.v))
-        q = self.queries[seq, pos].double()
+        q = self.queries[seq, pos].to(self.cache.k.dtype).double()
         rep = q.shape[0] // k.shape[0]
         scores = torch.einsum("hd,hld->hl", q, k.repeat_interleave(rep, 0)) * 0.125
         if logit_softcap is not None:
@@ -62,11 +73,11 @@ class Setup:
         return torch.einsum("hl,hld->hd", scores.softmax(-1), v.repeat_interleave(rep, 0))
 
 
-def make_setup(head_dim: int, heads: int, kv_heads: int) -> Setup:
+def make_setup(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype = torch.float32) -> Setup:
     g = torch.Generator().manual_seed(head_dim + heads + kv_heads)
     blocks_per_seq = MAX_LEN // BLOCK
     shape = (NUM_SEQS * blocks_per_seq, BLOCK, kv_heads, head_dim)
-    cache = KVCache(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    cache = KVCache(*(torch.randn(shape, generator=g).to(dtype) for _ in range(2)))
     # Scrambled blocks, so that a wrong block-table lookup cannot hide.
     order = torch.randperm(NUM_SEQS * blocks_per_seq, generator=g).view(NUM_SEQS, blocks_per_seq)
     queries = torch.randn(NUM_SEQS, MAX_LEN, heads, head_dim, generator=g)
@@ -132,3 +143,38 @@ def test_every_path_matches_a_float64_reference(setup, sliding_window, logit_sof
             want = setup.reference(seq, pos, key_end, sliding_window, logit_softcap)
             err = (out[seq, pos].double() - want).abs().max().item()
             assert err < 1e-5, f"seq {seq} position {pos}: max abs error {err:.2g}"
+
+
+def test_bf16_rows_match_the_reference_and_do_not_depend_on_the_batch():
+    """A bf16 cache (dtype="auto" on a CPU with native bf16): fp32 arithmetic inside, one rounding out."""
+    setup = make_setup(128, 12, 2, torch.bfloat16)
+    pieces = [(0, 299, 1), (1, 40, 5), (2, 599, 1)]
+    assert_rows_as_alone(setup, pieces)
+    with torch.inference_mode():
+        out = setup.attend(pieces)
+    assert all(row.dtype == torch.bfloat16 for row in out.values())
+    for (seq, pos), row in out.items():
+        err = (row.double() - setup.reference(seq, pos, pos + 1)).abs().max().item()
+        assert err < 1e-2, f"seq {seq} position {pos}: max abs error {err:.2g}"
+
+
+def test_short_rows_take_the_kernel_where_it_is_built(rows_backend):
+    setup = make_setup(64, 14, 2)
+    meta = AttentionMetadata.build([0, 1], [100], [setup.tables[0]], torch.tensor([99]), BLOCK)
+    q = setup.queries[0, 99:100]
+    uses_kernel = attention._kernel_fits(q, setup.cache, meta.short.kernel)
+    assert uses_kernel == (rows_backend == "kernel")
+    assert not attention._kernel_fits(q.double(), setup.cache, meta.short.kernel)  # dtypes differ
+
+
+def test_kernel_rejects_keys_outside_the_block_table():
+    ops = kernels.ops()
+    if ops is None:
+        pytest.skip("specserve's kernels are not built here")
+    setup = make_setup(32, 4, 4)
+    q, tables, one = setup.queries[0, :1], torch.tensor([setup.tables[0]]), torch.zeros(1, dtype=torch.long)
+    args = (q, setup.cache.k, setup.cache.v, one, tables, one)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        ops.paged_attention_rows(*args, torch.tensor([MAX_LEN]), torch.tensor([MAX_LEN + 1]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.paged_attention_rows(q.double(), *args[1:], one, one + 1, 0, 0.125)

@@ -189,7 +189,7 @@ def test_empty_input_and_shape_checks():
 def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, caplog):
     broken = tmp_path / "qlinear.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "SOURCES", [broken])
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):

@@ -9,7 +9,10 @@ an SDPA call of its own against exactly the keys it sees (its causal prefix, cut
 unmasked and unpadded, so its bits cannot depend on the rest of the batch and a token verified among drafts
 gets what it gets decoded alone. Rows do not share a call even at equal key counts: the CPU kernel's MKL
 GEMMs round by the address of their per-thread output buffer, and which thread runs a row depends on its
-place in the call. Long pieces (prompt chunks) keep one causally masked call each.
+place in the call. Long pieces (prompt chunks) keep one causally masked call each. Where specserve's
+compiled kernels are built (CPU, fp32 or bf16), the short rows are attended by `paged_attention_rows`
+instead (kernels/attention.cpp): the same per-row arithmetic, reading K/V in place through the block table,
+~5x cheaper than the gather and the per-row SDPA calls at decode sizes.
 
 The metadata is built once per engine step and shared by every layer; layers only write their new K/V
 into the cache and call the backend.
@@ -18,10 +21,13 @@ into the cache and call the backend.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from specserve.layers import kernels
 
 if TYPE_CHECKING:
     from specserve.layers.gated_deltanet import StateCheckpoints
@@ -78,7 +84,13 @@ class ShortRows:
     kv_lens: list[int]  # [S] keys of each short piece's sequence (cached + new)
     tables: torch.Tensor  # [S, max blocks] block table of each short piece
     block_size: int
+    kernel: object | None = field(default_factory=kernels.ops)  # torch.ops.specserve, or None: SDPA
     _keys: dict[int | None, RowKeys] = field(default_factory=dict)
+
+    @cached_property
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """pieces, positions, key_ends as int64 tensors, for the kernel."""
+        return tuple(torch.tensor(x, dtype=torch.long) for x in (self.pieces, self.positions, self.key_ends))
 
     def keys(self, sliding_window: int | None) -> RowKeys:
         if sliding_window not in self._keys:
@@ -244,6 +256,8 @@ def sdpa_paged_attention(
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, n_heads, d] against the cache (new K/V already written) -> [N, n_heads, d_v]."""
+    if meta.short is not None and not meta.long_pieces:  # every row is a short piece's, in order
+        return _attend_rows(q, cache, meta.short, scale, sliding_window, logit_softcap)
     out = q.new_empty(q.shape[0], q.shape[1], cache.v.shape[-1])
     if meta.short is not None:
         out[meta.short.rows] = _attend_rows(q, cache, meta.short, scale, sliding_window, logit_softcap)
@@ -262,6 +276,10 @@ def _attend_rows(
 ) -> torch.Tensor:
     """Each row alone against its own keys: [R, n_heads, d_v]. The query heads that share a KV head are
     the query rows of that head's call, so that K/V are read once per KV head rather than once per head."""
+    if logit_softcap is None and _kernel_fits(q, cache, short.kernel):
+        window = sliding_window or 0
+        args = (short.rows, short.tables, *short.row_tensors, window, scale)
+        return short.kernel.paged_attention_rows(q, cache.k, cache.v, *args)
     plan = short.keys(sliding_window)
     k, v = cache.gather(plan.kv_index)
     queries = q[short.rows].view(len(plan.spans), k.shape[0], -1, q.shape[-1])
@@ -270,6 +288,19 @@ def _attend_rows(
         for i, (a, b) in enumerate(plan.spans)
     ]
     return torch.cat(outs).flatten(1, 2)
+
+
+def _kernel_fits(q: torch.Tensor, cache: KVCache, kernel) -> bool:
+    """What paged_attention_rows takes: CPU, one dtype (fp32 or bf16), head dims multiples of 16 to 256."""
+    dims = (q.shape[-1], cache.v.shape[-1])
+    return (
+        kernel is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.dtype == cache.k.dtype == cache.v.dtype
+        and q.stride(-1) == 1
+        and all(d % 16 == 0 and d <= 256 for d in dims)
+    )
 
 
 def _attend_piece(

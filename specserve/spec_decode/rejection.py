@@ -28,7 +28,14 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.core.batch import verify_row_starts
-from specserve.layers.sampler import SamplingBatch, draw_exponential, draw_uniform, sample, target_probs
+from specserve.layers.sampler import (
+    SamplingBatch,
+    draw_exponential,
+    draw_uniform,
+    first_argmax,
+    sample,
+    target_probs,
+)
 
 PLACEHOLDER_TOKEN_ID = -1
 # q(d) is clamped here in the accept ratio; a residual with at most this mass falls back to p (DSpark, §7.17).
@@ -177,8 +184,8 @@ def rejection_sample(
         torch.where(fallback.unsqueeze(1), p_sel, w, out=w)
 
         # 3. Exponential race argmax(w / E), E ~ Exp(1) from each request's generator (its anchor row's).
-        race = w.div_(draw_exponential(_row_subset(batch, row_start), vocab)).argmax(dim=1)
-        token = torch.where(batch.is_greedy[start_t], p_sel.argmax(dim=1), race) if batch.any_greedy else race
+        race = first_argmax(w.div_(draw_exponential(_row_subset(batch, row_start), vocab)))
+        token = torch.where(batch.is_greedy[start_t], first_argmax(p_sel), race) if batch.any_greedy else race
 
     cols = torch.arange(k_max + 1, device=dev).unsqueeze(0)
     out = torch.where(cols < num_acc.unsqueeze(1), drafts_pad, PLACEHOLDER_TOKEN_ID)

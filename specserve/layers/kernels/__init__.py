@@ -1,15 +1,18 @@
-"""The compiled int4 / int8 linear kernels (qlinear.cpp), built once per machine and cached.
+"""The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp) and the
+attention of decode and verification rows from the paged KV cache (attention.cpp).
 
-The first use compiles qlinear.cpp with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
-into the specserve cache directory, keyed by the source, torch and Python versions; later processes load
+The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
+into the specserve cache directory, keyed by the sources, torch and Python versions; later processes load
 the built library directly. Nothing is printed on success. Without a compiler, when the build fails or on
-a CPU without AVX2, `ops()` returns None after one log line and the quantized layers keep torch's own
-int4 kernel (specserve/layers/quant.py). `SPECSERVE_NO_KERNELS=1` forces that fallback.
+a CPU without AVX2, `ops()` returns None after one log line: the quantized layers keep torch's own int4
+kernel (specserve/layers/quant.py) and attention torch's SDPA (specserve/layers/attention.py).
+`SPECSERVE_NO_KERNELS=1` forces that fallback.
 
 The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI,
 3 AMX):
     int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
     quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), parallel_threads()
+    paged_attention_rows(q, k_cache, v_cache, rows, tables, pieces, positions, key_ends, window, scale)
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from specserve.cache_dir import cache_root, file_lock
 
 ENV_VAR = "SPECSERVE_NO_KERNELS"
-SOURCE = Path(__file__).with_name("qlinear.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp")]
 NAME = "specserve_qlinear"
 # -ffp-contract=off: no fused multiply-adds but the written ones, so every path rounds alike. -fopenmp:
 # without it ATen's parallel_for compiles to a serial loop here (the symbols resolve to torch's libgomp).
@@ -44,7 +47,7 @@ def disabled() -> bool:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
@@ -73,7 +76,7 @@ def _build_and_load() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             NAME,
-            [str(SOURCE)],
+            [str(source) for source in SOURCES],
             extra_cflags=CFLAGS,
             build_directory=str(directory),
             is_python_module=False,

@@ -6,7 +6,7 @@ import torch
 
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
-from specserve.layers.sampler import SamplingBatch, draw_exponential, target_probs
+from specserve.layers.sampler import SamplingBatch, draw_exponential, first_argmax, target_probs
 
 
 class Drafter:
@@ -80,4 +80,4 @@ def sample_drafts(
     q = target_probs(logits, batch)
     raw = logits.float()
     peaks = torch.exp(raw.amax(dim=-1) - raw.logsumexp(dim=-1))
-    return q, (q / draw_exponential(batch, q.shape[1])).argmax(dim=-1).tolist(), peaks
+    return q, first_argmax(q / draw_exponential(batch, q.shape[1])).tolist(), peaks
