@@ -268,6 +268,16 @@ __attribute__((target("avx512f"))) inline void store_rows_avx512(const __m512* a
   }
 }
 
+// int4 codes are prefetched this far ahead of their use: the L2 streamer alone keeps too few lines in
+// flight for one core to read at memory speed (Sapphire Rapids, int4 1.5B: a batch-1 step 51 -> 48 ms,
+// a forward over 8 rows 86 -> 78 ms; 2-4 KiB ahead measured best; int8, twice the bytes a block, got
+// slower). Prefetches never fault, so reading past the end of the codes is harmless.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_lines(const uint8_t* p, int lines) {
+  for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * l), _MM_HINT_T0);
+}
+
 template <int R, bool kInt4>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const Weights& w, const Acts& a,
                                                                         int64_t r0, const float* bias,
@@ -281,6 +291,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = zero;
     if (kInt4) {
+      prefetch_lines(w.codes + 4 * b * 64 + kPrefetchBytes, 4);
       for (int p = 0; p < 4; ++p) {
         const __m512i v = _mm512_loadu_si512(w.codes + (4 * b + p) * 64);
         const __m512i lo = _mm512_and_si512(v, nibble),
