@@ -211,7 +211,7 @@ class EngineConfig:
     """Engine settings. `max_model_len=None` takes the model's context length, capped at 8192."""
 
     model: str
-    dtype: str = "auto"  # bf16 where the CPU has native bf16, else fp32 (specserve/auto_dtype.py)
+    dtype: str = "auto"  # bf16 where the CPU has native bf16 and weights are not quantized (auto_dtype.py)
     max_model_len: int | None = None
     kv_cache_memory: int | str = "2GiB"
     block_size: int = 16
@@ -238,7 +238,7 @@ class EngineConfig:
         if self.dtype == "auto":
             from specserve.auto_dtype import auto_dtype
 
-            pinned, why = auto_dtype()
+            pinned, why = auto_dtype(self.quantization)
             self.dtype = _DTYPES.get(pinned.lower(), "auto")
             _check(self.dtype != "auto", f"{why}: unknown dtype {pinned!r}")
             self.dtype_reason = f"auto: {why}"

@@ -39,3 +39,15 @@ def test_auto_follows_the_cpu_unless_pinned(monkeypatch, native, dtype):
     monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "int3")
     with pytest.raises(SpecserveError, match="SPECSERVE_AUTO_DTYPE: unknown dtype 'int3'"):
         EngineConfig(model="m")
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_auto_is_fp32_for_quantized_weights(monkeypatch, quantization):
+    """The int4 / int8 kernels take and give fp32: bf16 activations would only add conversions."""
+    monkeypatch.delenv("SPECSERVE_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(auto, "native_bf16", lambda: True)
+    config = EngineConfig(model="m", quantization=quantization)
+    assert (config.dtype, config.dtype_reason) == ("float32", f"auto: {quantization} kernels compute in fp32")
+    assert EngineConfig(model="m", quantization=quantization, dtype="bf16").dtype == "bfloat16"
+    monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "bfloat16")
+    assert EngineConfig(model="m", quantization=quantization).dtype == "bfloat16"
