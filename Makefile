@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither" || true; }
 DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
-.PHONY: demo test test-transformers-min lint install install-models
+.PHONY: demo test test-no-kernels test-transformers-min lint install install-models
 
 $(BIN)/python:
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: install
 
 test: lint
 	$(BIN)/pytest -q
+
+# The same suite on the fallbacks a machine without a compiler gets: torch's int4 kernel, SDPA attention.
+test-no-kernels: install
+	SPECSERVE_NO_KERNELS=1 $(BIN)/pytest -q
 
 # The model parity tests on the oldest transformers release pyproject.toml allows, in a venv of their own.
 VENV_MIN := .venv-transformers-min
