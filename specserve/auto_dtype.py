@@ -1,8 +1,9 @@
 """What `dtype="auto"` means on this machine: bf16 where the CPU multiplies bf16 natively (AVX-512 BF16 or
 AMX: there a bf16 linear reads half the bytes and beats fp32, see docs/quantization.md), fp32 elsewhere
-(AVX2 alone emulates bf16 and is slower than fp32). A quantized model is fp32 everywhere: its int4 / int8
-kernels take and give fp32, so bf16 activations would only add conversions around every linear layer
-(int4 1.5B on Sapphire Rapids: one forward over 1 / 8 tokens 48.5 / 81.5 ms in fp32, 50.8 / 95.6 in bf16).
+(AVX2 alone emulates bf16 and is slower than fp32). Quantized weights get fp32 activations (and KV cache,
+and the layers left unquantized): specserve's int4 / int8 kernels take and give fp32, so bf16 would only
+add conversions around every linear layer (int4 1.5B on Sapphire Rapids: one forward over 1 / 8 tokens
+48.5 / 81.5 ms in fp32, 50.8 / 95.6 in bf16).
 SPECSERVE_AUTO_DTYPE names another answer (the test suite pins float32 with it, so that its references
 hold on every machine)."""
 

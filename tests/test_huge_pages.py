@@ -55,8 +55,7 @@ def test_a_loaded_model_runs_the_same_from_huge_pages(quantization, tiny_model_d
     assert len(storages) == len({t.untyped_storage().data_ptr() for t in huge_pages._tensors(plain)})
     if quantization is None:
         assert model.lm_head.weight is model.model.embed_tokens.weight
-    elif model.model.layers[0].self_attn.q_proj.on_kernel:  # torch's int4 kernel (no build) fuses nothing
-        attn = model.model.layers[0].self_attn
+    elif (attn := model.model.layers[0].self_attn).q_proj.on_kernel:  # torch's int4 kernel fuses nothing
         fused = attn.q_proj.fusion.layer.packed
         assert attn.k_proj.packed.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
         assert moved(fused)

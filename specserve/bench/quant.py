@@ -52,8 +52,8 @@ from specserve.layers.quant import (
 from specserve.llm import LLM
 from specserve.worker.model_runner import PieceInput
 
-# mode -> (quantization, dtype): fp32 and bf16 pinned (dtype "auto" means either, by CPU); the quantized
-# modes run with "auto" around their linears, as a user gets them.
+# mode -> (quantization, dtype): fp32 and bf16 pinned (unquantized, dtype "auto" means either, by CPU); the
+# quantized modes run with "auto" (fp32 around their kernels), as a user gets them.
 MODES = {
     "fp32": (None, "float32"),
     "bf16": (None, "bfloat16"),
