@@ -5,8 +5,9 @@
 // through the block table (no gather copy, no per-row SDPA call). An item's arithmetic is fixed by the row
 // alone (its keys, in position order, the same vector lanes and summation tree whatever the batch or the
 // thread that runs it), so a row's output is bitwise independent of the other rows of the call: the batch
-// invariance greedy speculation needs. The vector code is written once with GCC vector types and compiled
-// for AVX-512 and for AVX2; a process uses the best its CPU has.
+// invariance greedy speculation needs. The vector code is written once with GCC vector types, for vectors
+// of L floats, and compiled for AVX-512 (L = 16) and for AVX2 (L = 8); a process uses the best its CPU has
+// (so the last bits of a result differ between the two kinds of CPU, never between the rows of a call).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -21,67 +22,84 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float Vec __attribute__((vector_size(64)));  // 16 floats: one zmm, or two ymm on AVX2
-typedef int32_t IVec __attribute__((vector_size(64)));
+// L: the floats of one vector, 16 (a zmm) on AVX-512, 8 (a ymm) on AVX2. AVX2's 16 registers cannot hold
+// 16-lane vectors: compiled for AVX2, the 16-lane code ran 3.5x slower than this (Zen 3, decode rows).
+template <int L>
+struct VecOf {
+  typedef float F __attribute__((vector_size(4 * L)));
+  typedef int32_t I __attribute__((vector_size(4 * L)));
+  typedef uint16_t H __attribute__((vector_size(2 * L)));
+};
+template <int L>
+using Vec = typename VecOf<L>::F;
+template <int L>
+using IVec = typename VecOf<L>::I;
 #define SPECSERVE_INLINE __attribute__((always_inline)) inline
 
-SPECSERVE_INLINE Vec splat(float x) { return Vec{} + x; }
+template <int L>
+SPECSERVE_INLINE Vec<L> splat(float x) {
+  return Vec<L>{} + x;
+}
 
-SPECSERVE_INLINE Vec load(const float* p) {
-  Vec v;
+template <int L>
+SPECSERVE_INLINE Vec<L> load(const float* p) {
+  Vec<L> v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-SPECSERVE_INLINE Vec load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  typedef uint16_t Half16 __attribute__((vector_size(32)));
-  Half16 h;
+template <int L>
+SPECSERVE_INLINE Vec<L> load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  typename VecOf<L>::H h;
   std::memcpy(&h, p, sizeof h);
-  const IVec bits = __builtin_convertvector(h, IVec) << 16;
-  Vec v;
+  const IVec<L> bits = __builtin_convertvector(h, IVec<L>) << 16;
+  Vec<L> v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
 
-// Sixteen vectors' lane sums at once, lane j = the sum of x[j]: the same tree for every vector (lane i
-// takes lane i + 8, then i + 4, i + 2, i + 1), by halving levels that pack two vectors' partial sums into
+// L vectors' lane sums at once, lane j = the sum of x[j]: the same tree for every vector (lane i takes
+// lane i + L / 2, then i + L / 4, ..., i + 1), by halving levels that pack two vectors' partial sums into
 // one (a's groups of lanes, then b's).
-template <int kWidth>  // lanes per vector's partial sums, before the level
-SPECSERVE_INLINE Vec fold_pair(Vec a, Vec b) {
-  constexpr int half = kWidth / 2, groups = kLanes / kWidth;
-  IVec lo{}, hi{};
-  for (int i = 0; i < kLanes; ++i) {
-    const int group = i / half, source = group < groups ? 0 : kLanes;
+template <int L, int kWidth>  // lanes per vector's partial sums, before the level
+SPECSERVE_INLINE Vec<L> fold_pair(Vec<L> a, Vec<L> b) {
+  constexpr int half = kWidth / 2, groups = L / kWidth;
+  IVec<L> lo{}, hi{};
+  for (int i = 0; i < L; ++i) {
+    const int group = i / half, source = group < groups ? 0 : L;
     lo[i] = source + (group % groups) * kWidth + i % half;
     hi[i] = lo[i] + half;
   }
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
 
-SPECSERVE_INLINE Vec sum_lanes16(Vec* x) {
-  Vec y[8], z[4], w[2];
-  for (int i = 0; i < 8; ++i) y[i] = fold_pair<16>(x[2 * i], x[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) z[i] = fold_pair<8>(y[2 * i], y[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) w[i] = fold_pair<4>(z[2 * i], z[2 * i + 1]);
-  return fold_pair<2>(w[0], w[1]);
+// x: kWidth vectors of kWidth-lane partial sums (overwritten) -> their lane sums.
+template <int L, int kWidth = L>
+SPECSERVE_INLINE Vec<L> sum_lanes(Vec<L>* x) {
+  for (int i = 0; i < kWidth / 2; ++i) x[i] = fold_pair<L, kWidth>(x[2 * i], x[2 * i + 1]);
+  if constexpr (kWidth == 2)
+    return x[0];
+  else
+    return sum_lanes<L, kWidth / 2>(x);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), within 2 ulp; below -87 it is ~1e-38, not 0.
-SPECSERVE_INLINE Vec exp_nonpositive(Vec x) {
-  const Vec floor = splat(-87.f);
+template <int L>
+SPECSERVE_INLINE Vec<L> exp_nonpositive(Vec<L> x) {
+  const Vec<L> floor = splat<L>(-87.f);
   x = x < floor ? floor : x;
-  const Vec shifter = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer, kept in the bits
-  const Vec t = x * splat(1.44269504f) + shifter;
-  const Vec n = t - shifter;
-  const Vec r = (x - n * splat(0.693145752f)) - n * splat(1.42860677e-6f);  // x - n ln2, in two parts
-  Vec p = splat(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + splat(c);
-  IVec t_bits, shifter_bits;
+  // 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
+  const Vec<L> shifter = splat<L>(12582912.f);
+  const Vec<L> t = x * splat<L>(1.44269504f) + shifter;
+  const Vec<L> n = t - shifter;
+  const Vec<L> r = (x - n * splat<L>(0.693145752f)) - n * splat<L>(1.42860677e-6f);  // x - n ln2, 2 parts
+  Vec<L> p = splat<L>(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + splat<L>(c);
+  IVec<L> t_bits, shifter_bits;
   std::memcpy(&t_bits, &t, sizeof t);
   std::memcpy(&shifter_bits, &shifter, sizeof shifter);
-  const IVec exponent = (t_bits - shifter_bits + 127) << 23;  // 2^n
-  Vec scale;
+  const IVec<L> exponent = (t_bits - shifter_bits + 127) << 23;  // 2^n
+  Vec<L> scale;
   std::memcpy(&scale, &exponent, sizeof scale);
   return p * scale;
 }
@@ -101,33 +119,34 @@ struct Shape {
 };
 
 // One (row, KV head): q [group heads, head_dim] (heads `q_head_stride` apart) -> out [group, value_dim].
-// Keys are taken 16 at a time (8 KiB at head_dim 128, in L1) for all the group's heads, so K and V are read
-// from memory once per item, not once per query head. kChunks / kValueChunks: head_dim / 16 and
-// value_dim / 16 when fixed at compile time (registers), else 0.
-template <int kChunks, int kValueChunks, typename T>
+// Keys are taken L at a time (8 KiB at head_dim 128 and L = 16, in L1) for all the group's heads, so K and
+// V are read from memory once per item, not once per query head. kChunks / kValueChunks: head_dim / L and
+// value_dim / L when fixed at compile time (registers), else 0.
+template <int L, int kChunks, int kValueChunks, typename T>
 SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const T* q, int64_t q_head_stride,
                                   const T* k_cache, const T* v_cache, T* out, std::vector<float>& scratch) {
-  const int64_t keys = item.keys, padded = (keys + kLanes - 1) / kLanes * kLanes;
-  const int64_t chunks = kChunks ? kChunks : s.head_dim / kLanes;
-  const int64_t value_chunks = kValueChunks ? kValueChunks : s.value_dim / kLanes;
+  const int64_t keys = item.keys, padded = (keys + L - 1) / L * L;
+  const int64_t chunks = kChunks ? kChunks : s.head_dim / L;
+  const int64_t value_chunks = kValueChunks ? kValueChunks : s.value_dim / L;
   scratch.resize(s.group * (padded + s.value_dim));
   float* probs = scratch.data();                   // [group, padded]: scores, then exp(score - max)
   float* sums = scratch.data() + s.group * padded;  // [group, value_dim]: sum of p * v
   auto slot = [&](int64_t j) { return item.slots[j] * s.kv_heads + item.kv_head; };
-  for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
-    const int64_t valid = std::min<int64_t>(kLanes, keys - j0);
+  for (int64_t j0 = 0; j0 < padded; j0 += L) {
+    // the lanes past the last key score a copy of it (finite, and never used)
+    const int64_t valid = std::min<int64_t>(L, keys - j0);
+    const T* k[L];
+    for (int jj = 0; jj < L; ++jj) k[jj] = k_cache + slot(j0 + std::min<int64_t>(jj, valid - 1)) * s.head_dim;
     for (int64_t g = 0; g < s.group; ++g) {
       const T* qh = q + g * q_head_stride;
-      Vec dots[kLanes];
-      for (int jj = 0; jj < kLanes; ++jj) {
-        dots[jj] = Vec{};
-        if (jj >= valid) continue;
-        const T* k = k_cache + slot(j0 + jj) * s.head_dim;
-        Vec acc = load(qh) * load(k);
-        for (int64_t c = 1; c < chunks; ++c) acc += load(qh + c * kLanes) * load(k + c * kLanes);
-        dots[jj] = acc;
+      // the L keys' dot products side by side: L independent chains, not one chain per key in turn
+      Vec<L> dots[L];
+      for (int jj = 0; jj < L; ++jj) dots[jj] = load<L>(qh) * load<L>(k[jj]);
+      for (int64_t c = 1; c < chunks; ++c) {
+        const Vec<L> qc = load<L>(qh + c * L);
+        for (int jj = 0; jj < L; ++jj) dots[jj] += qc * load<L>(k[jj] + c * L);
       }
-      const Vec scores = sum_lanes16(dots) * splat(s.scale);
+      const Vec<L> scores = sum_lanes<L>(dots) * splat<L>(s.scale);
       std::memcpy(probs + g * padded + j0, &scores, sizeof scores);
     }
   }
@@ -136,8 +155,8 @@ SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const T* q, 
     float* p = probs + g * padded;
     float top = p[0];
     for (int64_t j = 1; j < keys; ++j) top = std::max(top, p[j]);
-    for (int64_t j = 0; j < padded; j += kLanes) {
-      const Vec e = exp_nonpositive(load(p + j) - splat(top));
+    for (int64_t j = 0; j < padded; j += L) {
+      const Vec<L> e = exp_nonpositive<L>(load<L>(p + j) - splat<L>(top));
       std::memcpy(p + j, &e, sizeof e);
     }
     float total = 0.f;
@@ -145,18 +164,18 @@ SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const T* q, 
     inverse_totals[g] = 1.f / total;
     std::fill(sums + g * s.value_dim, sums + (g + 1) * s.value_dim, 0.f);
   }
-  for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
-    const int64_t j1 = std::min<int64_t>(keys, j0 + kLanes);
+  for (int64_t j0 = 0; j0 < keys; j0 += L) {
+    const int64_t j1 = std::min<int64_t>(keys, j0 + L);
     for (int64_t g = 0; g < s.group; ++g) {
       float* sum = sums + g * s.value_dim;
-      Vec acc[256 / kLanes];
-      for (int64_t c = 0; c < value_chunks; ++c) acc[c] = load(sum + c * kLanes);
+      Vec<L> acc[256 / L];
+      for (int64_t c = 0; c < value_chunks; ++c) acc[c] = load<L>(sum + c * L);
       for (int64_t j = j0; j < j1; ++j) {
         const T* v = v_cache + slot(j) * s.value_dim;
-        const Vec p = splat(probs[g * padded + j]);
-        for (int64_t c = 0; c < value_chunks; ++c) acc[c] += p * load(v + c * kLanes);
+        const Vec<L> p = splat<L>(probs[g * padded + j]);
+        for (int64_t c = 0; c < value_chunks; ++c) acc[c] += p * load<L>(v + c * L);
       }
-      for (int64_t c = 0; c < value_chunks; ++c) std::memcpy(sum + c * kLanes, &acc[c], sizeof acc[c]);
+      for (int64_t c = 0; c < value_chunks; ++c) std::memcpy(sum + c * L, &acc[c], sizeof acc[c]);
     }
   }
   for (int64_t g = 0; g < s.group; ++g) {
@@ -167,31 +186,31 @@ SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const T* q, 
 }
 
 // The common head sizes (64, 128, 256, keys and values alike) with their loops unrolled.
-template <typename T>
+template <int L, typename T>
 SPECSERVE_INLINE void attend_item_any(const Item& i, const Shape& s, const T* q, int64_t qs, const T* k,
                                       const T* v, T* o, std::vector<float>& p) {
   if (s.head_dim == s.value_dim && s.head_dim == 64)
-    attend_item<4, 4>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 64 / L, 64 / L>(i, s, q, qs, k, v, o, p);
   else if (s.head_dim == s.value_dim && s.head_dim == 128)
-    attend_item<8, 8>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 128 / L, 128 / L>(i, s, q, qs, k, v, o, p);
   else if (s.head_dim == s.value_dim && s.head_dim == 256)
-    attend_item<16, 16>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 256 / L, 256 / L>(i, s, q, qs, k, v, o, p);
   else
-    attend_item<0, 0>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 0, 0>(i, s, q, qs, k, v, o, p);
 }
 
 template <typename T>
 __attribute__((target("avx512f"))) void attend_item_avx512(const Item& i, const Shape& s, const T* q,
                                                             int64_t qs, const T* k, const T* v, T* o,
                                                             std::vector<float>& p) {
-  attend_item_any(i, s, q, qs, k, v, o, p);
+  attend_item_any<16>(i, s, q, qs, k, v, o, p);
 }
 
 template <typename T>
 __attribute__((target("avx2,fma"))) void attend_item_avx2(const Item& i, const Shape& s, const T* q,
                                                           int64_t qs, const T* k, const T* v, T* o,
                                                           std::vector<float>& p) {
-  attend_item_any(i, s, q, qs, k, v, o, p);
+  attend_item_any<8>(i, s, q, qs, k, v, o, p);
 }
 
 bool has_avx512() {
@@ -244,7 +263,7 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t heads = q.size(1), head_dim = q.size(2), value_dim = v_cache.size(3);
   TORCH_CHECK(k_cache.size(3) == head_dim, "q and k differ in head_dim");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of the KV heads");
-  TORCH_CHECK(head_dim % kLanes == 0 && value_dim % kLanes == 0 && head_dim <= 256 && value_dim <= 256,
+  TORCH_CHECK(head_dim % 16 == 0 && value_dim % 16 == 0 && head_dim <= 256 && value_dim <= 256,
               "head dims: multiples of 16 up to 256");
   for (const at::Tensor* t : {&rows, &tables, &pieces, &positions, &key_ends})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices: contiguous int64");
