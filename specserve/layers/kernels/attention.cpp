@@ -23,7 +23,7 @@
 namespace {
 
 // L: the floats of one vector, 16 (a zmm) on AVX-512, 8 (a ymm) on AVX2. AVX2's 16 registers cannot hold
-// 16-lane vectors: compiled for AVX2, the 16-lane code ran 3.5x slower than this (Zen 3, decode rows).
+// 16-lane vectors: compiled for AVX2, the 16-lane code ran 3.5x slower than 8-lane vectors (Zen 3).
 template <int L>
 struct VecOf {
   typedef float F __attribute__((vector_size(4 * L)));
