@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftProposal:
     """Draft tokens d1..dk for one request and the distributions they were drawn from.
 
@@ -24,6 +24,8 @@ class DraftProposal:
 
     def truncate(self, k: int) -> DraftProposal:
         """The first k drafts: whether a draft is verified may depend only on what came before it."""
+        if k >= len(self.token_ids):
+            return self  # immutable: no copy needed
         return DraftProposal(
             self.token_ids[:k],
             None if self.probs is None else self.probs[:k],

@@ -8,6 +8,7 @@ commit (scheduler.py) -> the drafter learns from the step (speculator.py).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 
@@ -35,10 +36,21 @@ from specserve.worker.model_runner import ModelRunner, PieceInput, kv_cache_bloc
 __all__ = ["LLMEngine", "PromptType"]
 
 
+def _freeze_import_heap() -> None:
+    """Leave the objects that exist before the first engine (torch's, transformers', ~400k) out of Python's
+    garbage collections, once per process. They live as long as the process anyway, yet every full
+    collection walked them all: serving thousands of short requests, collections took ~20% of the engine's
+    time in pauses of 0.1-0.3 s. The engines' own objects stay collectable."""
+    if not gc.get_freeze_count():
+        gc.collect()
+        gc.freeze()
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, speculative_config: SpeculativeConfig | dict | str | None = None
     ):
+        _freeze_import_heap()
         self.config = config
         spec_config = SpeculativeConfig.from_value(speculative_config)  # a typo fails before loading
         self.model_dir = resolve_model(config.model, revision=config.revision)

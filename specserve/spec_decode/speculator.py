@@ -160,9 +160,11 @@ class Speculator:
         verified = [i for i, piece in enumerate(batch.pieces) if piece.draft is not None]
         if verified:
             self.stats.verification_s += verify_s
+        self._record_verifications(
+            [batch.pieces[i].draft for i in verified], [results[i].num_accepted for i in verified]
+        )
         for i in verified:
             piece, result = batch.pieces[i], results[i]
-            self._record_verification(piece.draft, result.num_accepted)
             # A stop inside the accepted drafts truncates the round there (DeepSpec's accounting).
             accepted = min(result.num_accepted, result.num_emitted)
             piece.seq.spec_stats.record(piece.num_drafts, accepted, result.num_emitted)
@@ -184,14 +186,14 @@ class Speculator:
                 )
             )
 
-    def _record_verification(self, draft: DraftProposal, num_accepted: int) -> None:
-        """Live calibration (and STS records when collecting) from one verified proposal."""
-        self.recalibration.record(draft.slot_confidences(), num_accepted)
-        if draft.confidences is None:
-            return
-        self.calibration.record(survival(draft), num_accepted)
+    def _record_verifications(self, drafts: list[DraftProposal], num_accepted: list[int]) -> None:
+        """Live calibration (and STS records when collecting) from the step's verified proposals."""
+        self.recalibration.record_rounds([d.slot_confidences() for d in drafts], num_accepted)
+        headed = [(d, a) for d, a in zip(drafts, num_accepted) if d.confidences is not None]
+        self.calibration.record_rounds([survival(d) for d, _ in headed], [a for _, a in headed])
         if self.verification_records is not None:
-            self.verification_records.add(torch.logit(draft.confidences.double(), eps=1e-12), num_accepted)
+            for draft, accepted in headed:
+                self.verification_records.add(torch.logit(draft.confidences.double(), eps=1e-12), accepted)
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished, was aborted or preempted: the drafter drops what it holds for it."""
