@@ -30,5 +30,5 @@ def project(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     """(layer(x) for each layer): in one call when they are, in this order, the members of one fusion."""
     fusion = getattr(layers[0], "fusion", None)
     if fusion is not None and layers == fusion.members:  # nn.Module compares by identity
-        return fusion.layer(x).split(fusion.sizes, dim=-1)
+        return fusion.layer(x).split_with_sizes(fusion.sizes, dim=-1)  # not split: its Python wrapper costs
     return tuple(layer(x) for layer in layers)

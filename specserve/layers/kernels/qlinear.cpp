@@ -54,7 +54,7 @@ bool amx_usable() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-int64_t best_isa() {
+int64_t detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
@@ -62,6 +62,12 @@ int64_t best_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return kAvx2;
   return kScalar;
+}
+
+// Asked once: the engine asks before every forward, and the AMX check is a system call.
+int64_t best_isa() {
+  static const int64_t best = detect_isa();
+  return best;
 }
 
 // One call's activations: row r's block b at [r * nb + b]; its codes at q + (r * nb + b) * 32.
@@ -386,6 +392,7 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(cons
     auto weights = [&](int64_t j) { return kInt4 ? unpacked + j * 512 : w.codes + (b0 + j) * 512; };
     if (kInt4)
       for (int64_t l = 4 * b0; l < 4 * b1; ++l) {  // line l -> quads 2l (low nibbles), 2l + 1 (high)
+        _mm_prefetch(reinterpret_cast<const char*>(w.codes + l * 64 + kPrefetchBytes), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(w.codes + l * 64);
         uint8_t* to = unpacked + (l - 4 * b0) * 128;
         _mm512_store_si512(to, _mm512_and_si512(v, nibble));
@@ -468,7 +475,7 @@ void rows_of_tile(int64_t isa, const Weights& w, const Acts& a, int64_t rows, co
 }
 
 int64_t resolve_isa(int64_t isa) {
-  static const int64_t best = best_isa();
+  const int64_t best = best_isa();
   TORCH_CHECK(isa <= best, "specserve qlinear: path ", isa, " is not supported by this CPU (best ", best,
               ")");
   return isa < 0 ? best : isa;
