@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers import kernels
 from specserve.layers.fusion import project
 
 _ACTIVATIONS = {
@@ -13,6 +14,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+_KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # rows.cpp's gated_activation
 
 
 def activation(name: str):
@@ -30,7 +32,10 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.kernel_act = _KERNEL_ACTIVATIONS.get(act) if kernels.ops() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
+        if self.kernel_act is not None and gate.dim() == 2 and kernels.rows_take(gate, up):
+            return self.down_proj(torch.ops.specserve.gated_activation(gate, up, self.kernel_act))
         return self.down_proj(self.act(gate) * up)

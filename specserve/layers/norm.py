@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers import kernels
+
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) in fp32, row by row: torch's fused op, bitwise the same as the five ops
@@ -34,8 +36,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.scale_in_fp32 = scale_in_fp32
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset)) if with_scale else None
+        self.on_kernel = kernels.ops() is not None  # fp32 rows then take rows.cpp's rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_kernel and kernels.rows_take(x, self.weight):
+            return torch.ops.specserve.rms_norm(x, self.weight, self.eps, self.offset)
         normed = _normalized(x, self.eps)
         if self.weight is None:
             return normed.to(x.dtype)
@@ -43,6 +48,18 @@ class RMSNorm(nn.Module):
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         scale = self.weight if self.offset == 0 else self.offset + self.weight
         return scale * normed.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): a layer's residual add and the norm after it, in one kernel call."""
+        if (
+            self.on_kernel
+            and residual.shape == x.shape
+            and residual.is_contiguous()
+            and kernels.rows_take(x, residual, self.weight)
+        ):
+            return torch.ops.specserve.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+        h = x + residual
+        return h, self(h)
 
 
 class GatedRMSNorm(nn.Module):

@@ -16,8 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specserve.layers import kernels
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from specserve.layers.attention import KVCache
 
 
 def _powers(theta: float, dim: int, denominator: int | None = None) -> torch.Tensor:
@@ -117,9 +121,10 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float().cpu()
         self.attention_scaling = attention_scaling
         self._cached: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.on_kernel = kernels.ops() is not None  # fp32 rows then take rows.cpp's rotate_and_cache
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [N, 1, rot] with sin's first half negated: x rotated is x * cos + roll(x) * sin, and
+        """(cos, sin) [N, rot] with sin's first half negated: x rotated is x * cos + roll(x) * sin, and
         -x2 * s equals x2 * -s bitwise, so this is HF's rotate_half formula in three ops instead of six."""
         # Every layer of a forward passes the same positions tensor: compute the table once per forward.
         if self._cached is not None and self._cached[0] is positions:
@@ -128,14 +133,36 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         half = freqs.shape[-1]
-        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        table = (cos[:, None, :], sin[:, None, :])
+        table = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         self._cached = (positions, table)
         return table
 
+    def rotate_and_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """q rotated, with k rotated and written to the cache beside v (q, k, v [N, heads, dim]). On the
+        kernel, q and k are rotated in place, bitwise as `forward` rotates them."""
+        if (
+            self.on_kernel
+            and kernels.rows_take(q, k, v, cache.k, cache.v)
+            and q.dim() == k.dim() == v.dim() == 3
+        ):
+            cos, sin = self.cos_sin(positions)
+            torch.ops.specserve.rotate_and_cache(q, k, v, cos, sin, cache.k, cache.v, slot_mapping)
+            return q
+        q, k = self(positions, q, k)
+        cache.write(slot_mapping, k, v)
+        return q
+
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each x is [N, heads, head_dim]; positions is [N]."""
-        cos, sin = self.cos_sin(positions)
+        cos, sin = (t[:, None, :] for t in self.cos_sin(positions))
         rot = cos.shape[-1]
         out = []
         for x in xs:

@@ -144,8 +144,7 @@ class GemmaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             if self.v_norm is not None:
                 v = self.v_norm(v)
-            q, k = self.rotary(positions, q, k)
-            cache.write(attn.slot_mapping, k, v)
+            q = self.rotary.rotate_and_cache(positions, q, k, v, cache, attn.slot_mapping)
         else:  # the source layer already wrote this step's K/V earlier in the same forward
             (q,) = self.rotary(positions, self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)))
         out = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window)

@@ -92,8 +92,7 @@ class QwenAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        cache.write(attn.slot_mapping, k, v)
+        q = self.rotary.rotate_and_cache(positions, q, k, v, cache, attn.slot_mapping)
         o = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window).reshape(n, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(n, -1))
@@ -140,8 +139,10 @@ class QwenDecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, attn, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_forward(
+            h, self.self_attn(self.input_layernorm(h), positions, attn, cache)
+        )
+        return h + self.mlp(x)
 
 
 class QwenModel(nn.Module):

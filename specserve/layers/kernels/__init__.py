@@ -1,5 +1,6 @@
-"""The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp) and the
-attention of decode and verification rows from the paged KV cache (attention.cpp).
+"""The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp), the
+attention of decode and verification rows from the paged KV cache (attention.cpp), and the row-wise steps
+between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations).
 
 The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
 into the specserve cache directory, keyed by the sources, torch and Python versions; later processes load
@@ -13,6 +14,8 @@ The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 
     int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
     quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), parallel_threads()
     paged_attention_rows(q, k_cache, v_cache, rows, tables, pieces, positions, key_ends, window, scale)
+    rms_norm(x, weight, eps, offset), add_rms_norm(x, residual, weight, eps, offset) -> (sum, normed)
+    rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots), gated_activation(gate, up, act)
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 from specserve.cache_dir import cache_root, file_lock
 
 ENV_VAR = "SPECSERVE_NO_KERNELS"
-SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp", "rows.cpp")]
+HEADERS = [Path(__file__).with_name("vec.h")]
 NAME = "specserve_qlinear"
 # -ffp-contract=off: no fused multiply-adds but the written ones, so every path rounds alike. -fopenmp:
 # without it ATen's parallel_for compiles to a serial loop here (the symbols resolve to torch's libgomp).
@@ -47,7 +51,7 @@ def disabled() -> bool:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
@@ -109,6 +113,18 @@ def ops():
     if loaded is None or loaded.best_isa() < 1:
         return None
     return loaded
+
+
+def rows_take(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether rows.cpp's kernels take these tensors: fp32 on the CPU, x 2-D or 3-D with unit stride in its
+    last dimension, and no autograd to record (a drafter in training takes torch's ops)."""
+    if not (x.dim() in (2, 3) and x.stride(-1) == 1):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(
+        t is None or (t.dtype == torch.float32 and t.is_cpu and not (grad and t.requires_grad))
+        for t in (x, *others)
+    )
 
 
 def isa_name() -> str:

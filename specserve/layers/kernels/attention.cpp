@@ -20,43 +20,11 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// L: the floats of one vector, 16 (a zmm) on AVX-512, 8 (a ymm) on AVX2. AVX2's 16 registers cannot hold
-// 16-lane vectors: compiled for AVX2, the 16-lane code ran 3.5x slower than 8-lane vectors (Zen 3).
-template <int L>
-struct VecOf {
-  typedef float F __attribute__((vector_size(4 * L)));
-  typedef int32_t I __attribute__((vector_size(4 * L)));
-  typedef uint16_t H __attribute__((vector_size(2 * L)));
-};
-template <int L>
-using Vec = typename VecOf<L>::F;
-template <int L>
-using IVec = typename VecOf<L>::I;
-#define SPECSERVE_INLINE __attribute__((always_inline)) inline
-
-template <int L>
-SPECSERVE_INLINE Vec<L> splat(float x) {
-  return Vec<L>{} + x;
-}
-
-template <int L>
-SPECSERVE_INLINE Vec<L> load(const float* p) {
-  Vec<L> v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <int L>
-SPECSERVE_INLINE Vec<L> load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  typename VecOf<L>::H h;
-  std::memcpy(&h, p, sizeof h);
-  const IVec<L> bits = __builtin_convertvector(h, IVec<L>) << 16;
-  Vec<L> v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+using namespace specserve_vec;
 
 // L vectors' lane sums at once, lane j = the sum of x[j]: the same tree for every vector (lane i takes
 // lane i + L / 2, then i + L / 4, ..., i + 1), by halving levels that pack two vectors' partial sums into
@@ -81,27 +49,6 @@ SPECSERVE_INLINE Vec<L> sum_lanes(Vec<L>* x) {
     return x[0];
   else
     return sum_lanes<L, kWidth / 2>(x);
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), within 2 ulp; below -87 it is ~1e-38, not 0.
-template <int L>
-SPECSERVE_INLINE Vec<L> exp_nonpositive(Vec<L> x) {
-  const Vec<L> floor = splat<L>(-87.f);
-  x = x < floor ? floor : x;
-  // 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
-  const Vec<L> shifter = splat<L>(12582912.f);
-  const Vec<L> t = x * splat<L>(1.44269504f) + shifter;
-  const Vec<L> n = t - shifter;
-  const Vec<L> r = (x - n * splat<L>(0.693145752f)) - n * splat<L>(1.42860677e-6f);  // x - n ln2, 2 parts
-  Vec<L> p = splat<L>(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + splat<L>(c);
-  IVec<L> t_bits, shifter_bits;
-  std::memcpy(&t_bits, &t, sizeof t);
-  std::memcpy(&shifter_bits, &shifter, sizeof shifter);
-  const IVec<L> exponent = (t_bits - shifter_bits + 127) << 23;  // 2^n
-  Vec<L> scale;
-  std::memcpy(&scale, &exponent, sizeof scale);
-  return p * scale;
 }
 
 SPECSERVE_INLINE void store(float* p, float x) { *p = x; }
@@ -211,11 +158,6 @@ __attribute__((target("avx2,fma"))) void attend_item_avx2(const Item& i, const S
                                                           int64_t qs, const T* k, const T* v, T* o,
                                                           std::vector<float>& p) {
   attend_item_any<8>(i, s, q, qs, k, v, o, p);
-}
-
-bool has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
 }
 
 template <typename T>
