@@ -13,19 +13,22 @@ import torch
 from specserve.layers import kernels
 from specserve.layers.quant import (
     Int4Linear,
+    Int4Weights,
     Int8Linear,
     pack_groups,
     pack_int4_codes,
+    pack_int4_scales,
     pack_int8_codes,
     unpack_groups,
     unpack_int4_codes,
+    unpack_int4_scales,
     unpack_int8_codes,
 )
 
 ops = kernels.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="specserve's kernels are not built here")
 ISAS = list(range(ops.best_isa() + 1)) if ops is not None else []  # 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX
-SHAPES = [(64, 16, 32), (256, 48, 32), (256, 32, 64), (512, 16, 128)]  # (K, N, group size)
+SHAPES = [(64, 16, 32), (320, 48, 32), (256, 32, 64), (512, 16, 128)]  # (K, N, group size)
 
 
 def quantize_rows_reference(x: torch.Tensor):
@@ -38,12 +41,17 @@ def quantize_rows_reference(x: torch.Tensor):
     return q.reshape(x.shape), scale, scale * q.sum(-1, dtype=torch.int32).float()
 
 
-def random_int4(n: int, k: int, group: int, seed: int = 0):
+def random_int4(n: int, k: int, group: int, seed: int = 0) -> Int4Weights:
+    """Every byte value of the two levels, K / G not always a multiple of the 8 groups of a super-block."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half().float()
-    mins = (torch.randn(n, k // group, generator=g) * 0.05).half().float()
-    return q, scales, mins
+    groups, supers = k // group, -(-k // group // 8)
+    return Int4Weights(
+        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+        (torch.rand(n, supers, generator=g) * 1e-4 + 1e-5).half().float(),
+        (torch.rand(n, supers, generator=g) * 1e-3).half().float(),
+        torch.randint(0, 256, (n, groups), dtype=torch.uint8, generator=g),
+        torch.randint(-128, 128, (n, groups), dtype=torch.int8, generator=g),
+    )
 
 
 def random_int8(n: int, k: int, group: int, seed: int = 0):
@@ -52,9 +60,9 @@ def random_int8(n: int, k: int, group: int, seed: int = 0):
     return q, (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half().float()
 
 
-def int4_call(q, scales, mins, bias=None):
-    packed, s, m = pack_int4_codes(q), pack_groups(scales), pack_groups(mins)
-    return lambda x, isa=-1: ops.int4_linear(x, packed, s, m, bias, isa)
+def int4_call(w: Int4Weights, bias=None):
+    packed, (groups, supers) = pack_int4_codes(w.q), pack_int4_scales(w)
+    return lambda x, isa=-1: ops.int4_linear(x, packed, groups, supers, bias, isa)
 
 
 def int8_call(q, scales, bias=None):
@@ -72,11 +80,13 @@ def inputs(m: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 def test_layouts_round_trip():
-    q, scales, _ = random_int4(48, 256, 64)
-    assert torch.equal(unpack_int4_codes(pack_int4_codes(q)), q)
-    assert torch.equal(unpack_groups(pack_groups(scales)), scales)
-    q8, _ = random_int8(32, 128, 32)
+    w = random_int4(48, 320, 32)
+    assert torch.equal(unpack_int4_codes(pack_int4_codes(w.q)), w.q)
+    for got, want in zip(unpack_int4_scales(w.q, *pack_int4_scales(w)), w):
+        assert torch.equal(got, want)
+    q8, scales = random_int8(32, 128, 32)
     assert torch.equal(unpack_int8_codes(pack_int8_codes(q8)), q8)
+    assert torch.equal(unpack_groups(pack_groups(scales)), scales)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -91,7 +101,7 @@ def test_activation_quantization_equals_the_reference_bitwise(isa):
 def test_every_path_equals_the_scalar_one_and_rows_do_not_depend_on_m(mode, k, n, group):
     """Bitwise: each ISA path against the scalar path, and each row of an M-row call (M = 1..16, and a
     prefill-sized 37) against that row computed alone; -1 (the best path, which may change with M) too."""
-    weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
+    weights = (random_int4(n, k, group),) if mode == "int4" else random_int8(n, k, group)
     bias = torch.randn(n)
     call = (int4_call if mode == "int4" else int8_call)(*weights, bias)
     x = inputs(37, k)
@@ -121,7 +131,7 @@ def test_the_kernel_runs_on_torch_s_threads(torch_threads):
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_outputs_do_not_depend_on_the_thread_count(mode, torch_threads):
     k, n, group = 512, 16 * 37, 64  # enough output tiles for every thread to take some
-    weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
+    weights = (random_int4(n, k, group),) if mode == "int4" else random_int8(n, k, group)
     call = (int4_call if mode == "int4" else int8_call)(*weights, torch.randn(n))
     x = inputs(9, k)
     torch.set_num_threads(1)
@@ -138,17 +148,21 @@ def test_outputs_do_not_depend_on_the_thread_count(mode, torch_threads):
 def test_kernel_equals_the_reference_with_the_same_activation_codes(mode, k, n, group):
     """Against torch with the same int8 activations: exact integer dot products per block, so only the
     order in which the fp32 block terms are summed differs (the kernel adds them in order with fma)."""
-    weights = random_int4(n, k, group) if mode == "int4" else random_int8(n, k, group)
-    call = (int4_call if mode == "int4" else int8_call)(*weights)
+    if mode == "int4":
+        w4 = random_int4(n, k, group)
+        call, (q, scales, mins) = int4_call(w4), (w4.q, w4.scales(), w4.mins())
+    else:
+        (q, scales), mins = random_int8(n, k, group), None
+        call = int8_call(q, scales)
     x = inputs(16, k)
     xq, xs, xsum = quantize_rows_reference(x)
-    q = weights[0].to(torch.int64).reshape(n, -1, 32)
+    q = q.to(torch.int64).reshape(n, -1, 32)
     dots = torch.einsum("mbi,nbi->mnb", xq.to(torch.int64).reshape(16, -1, 32), q).double()
     per_block = lambda v: v.repeat_interleave(group // 32, dim=1)  # [N, K / G] -> [N, K / 32]
     # each block term exactly (float64), with the one fp32 product the kernel rounds: weight x input scale
-    terms = [dots * (per_block(weights[1])[None] * xs[:, None]).double()]
+    terms = [dots * (per_block(scales)[None] * xs[:, None]).double()]
     if mode == "int4":
-        terms.append(per_block(weights[2])[None].double() * xsum[:, None].double())
+        terms.append(per_block(mins)[None].double() * xsum[:, None].double())
     reference = sum(t.sum(-1) for t in terms)
     bound = 2 * (k // 32) * 2**-24 * sum(t.abs().sum(-1) for t in terms)  # one rounding per fma
     assert ((call(x).double() - reference).abs() <= bound).all()
@@ -160,12 +174,10 @@ def test_layer_on_the_kernel_against_the_dequantized_fp32_matmul(mode):
     32) times the weights it meets, and about 0.5% of the output's scale on random data."""
     k, n = 512, 64
     x = inputs(8, k)
-    weights = random_int4(n, k, 32) if mode == "int4" else random_int8(n, k, 32)
-    q, scales = weights[0], weights[1]
-    if mode == "int4":  # the layer takes w = (q - 8) * s + z
-        layer = Int4Linear(q, scales, weights[2] + 8 * scales, use_kernel=True)
+    if mode == "int4":
+        layer = Int4Linear(random_int4(n, k, 32), use_kernel=True)
     else:
-        layer = Int8Linear(q, scales, use_kernel=True)
+        layer = Int8Linear(*random_int8(n, k, 32), use_kernel=True)
     assert layer.on_kernel
     ref = x @ layer.weight.t()
     y = layer(x)
@@ -178,7 +190,7 @@ def test_layer_on_the_kernel_against_the_dequantized_fp32_matmul(mode):
 
 
 def test_empty_input_and_shape_checks():
-    call = int4_call(*random_int4(16, 64, 32))
+    call = int4_call(random_int4(16, 64, 32))
     assert call(torch.zeros(0, 64)).shape == (0, 16)
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
         ops.quantize_rows(torch.zeros(2, 40))
@@ -200,4 +212,4 @@ def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, capl
     monkeypatch.setenv(kernels.ENV_VAR, "1")
     monkeypatch.setattr(kernels, "_loaded", {})
     assert kernels.disabled() and kernels.load_ops() is None
-    assert not Int4Linear(*random_int4(16, 64, 32)).on_kernel
+    assert not Int4Linear(random_int4(16, 64, 32)).on_kernel

@@ -26,7 +26,7 @@ from specserve.layers.quant import (
     COMPUTE_DTYPE,
     Int4Linear,
     Int8Linear,
-    dequantize_int4,
+    TorchInt4,
     fuse_projections,
     int8_from_q8_0,
     quantize_int4,
@@ -61,21 +61,29 @@ def random_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- formats
 
 
-def int4_error_bound(scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Half a step, plus the bf16 rounding of the group's scale and zero (stored in the kernel's dtype)."""
-    step = scales.float().abs().repeat_interleave(group_size, dim=1)
-    zero = zeros.float().abs().repeat_interleave(group_size, dim=1)
-    return 0.5 * step + 2**-8 * (15 * step + zero)
-
-
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_round_trip_is_within_half_a_step(group_size):
-    w = random_weight(48, 256)
-    q, scales, zeros = quantize_int4(w, group_size)
-    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scales.shape == (48, 256 // group_size)
-    err = (dequantize_int4(q, scales, zeros) - w).abs()
-    assert (err <= int4_error_bound(scales, zeros, group_size)).all()
-    assert err.mean() < 0.3 * scales.float().mean()
+@pytest.mark.parametrize("k", [256, 352])  # 352: 11 groups of 32, the last super-block partial
+def test_int4_round_trip_is_within_half_a_step(group_size, k):
+    if k % group_size:
+        pytest.skip("K is not a multiple of the group")
+    w = random_weight(48, k)
+    w[3] = w[3].abs() + 0.5  # a row of positive weights: positive minimums
+    quantized = quantize_int4(w, group_size)
+    assert quantized.q.dtype == torch.uint8 and int(quantized.q.max()) <= 15
+    assert quantized.sub_scales.shape == (48, k // group_size) and quantized.d.shape == (
+        48,
+        -(-k // group_size // 8),
+    )
+    assert torch.equal(quantized.d.half().float(), quantized.d)  # fp16 values
+    scales = quantized.scales()
+    step = scales.repeat_interleave(group_size, dim=1)
+    err = (quantized.dequantize() - w).abs()
+    assert (err <= 0.5 * step * (1 + 2**-20) + 1e-7 * w.abs()).all()  # the grid covers every group
+    assert err.mean() < 0.3 * scales.mean()
+    # a step covers the group's range / 15, widened by the minimum's rounding (< dmin) and its own (< d)
+    d, dmin = (v.repeat_interleave(8, dim=1)[:, : scales.shape[1]] for v in (quantized.d, quantized.dmin))
+    groups = w.reshape(48, -1, group_size)
+    assert (scales <= (groups.amax(-1) - groups.amin(-1) + dmin) / 15 + d).all()
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -102,7 +110,7 @@ def test_q8_0_codes_are_kept_with_only_the_scale_rounded(use_kernel):
     assert torch.equal(layer.weight, q.float() * rounded.float().repeat_interleave(32, dim=1))
     planes = int8_from_q8_0(q, d)
     assert torch.equal(
-        dequantize_int4(*planes[0]) + dequantize_int4(*planes[1]), Int8Linear(q, d, use_kernel=False).weight
+        TorchInt4(*planes[0]).weight + TorchInt4(*planes[1]).weight, Int8Linear(q, d, use_kernel=False).weight
     )
 
 
@@ -119,9 +127,10 @@ def kernel_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return bound.reshape(*x.shape[:-1], len(weight))
 
 
-def quantized(mode: str, weight, bias=None, use_kernel: bool | None = None):
-    q = quantize_int8(weight, 32) if mode == "int8" else quantize_int4(weight, 32)
-    return (Int8Linear if mode == "int8" else Int4Linear)(*q, bias, use_kernel=use_kernel)
+def quantized(mode: str, weight, bias=None, use_kernel: bool | None = None, group_size: int = 32):
+    if mode == "int8":
+        return Int8Linear(*quantize_int8(weight, group_size), bias, use_kernel=use_kernel)
+    return Int4Linear(quantize_int4(weight, group_size), bias, use_kernel=use_kernel)
 
 
 @pytest.mark.parametrize("use_kernel", USE_KERNEL)
@@ -146,7 +155,7 @@ def test_layer_equals_its_dequantized_reference(mode, in_features, out_features,
             assert layer(torch.randn(0, in_features)).shape == (0, out_features)
             return
         # torch's: dequantized fp32 weights of each kernel call (int8 makes two, one per int4 plane)
-        planes = [p.weight for p in ([layer.coarse, layer.residual] if mode == "int8" else [layer])]
+        planes = [p.weight for p in ([layer.coarse, layer.residual] if mode == "int8" else [layer.plane])]
         weight = sum(planes)
         for x in inputs:
             # the reference: the dequantized weight applied in fp32 to the bf16-rounded input
@@ -173,15 +182,17 @@ def test_layer_is_batch_invariant(mode, in_features, out_features, use_kernel):
 
 @pytest.mark.parametrize("use_kernel", USE_KERNEL)
 def test_int4_codes_read_back(use_kernel):
-    q, scales, zeros = quantize_int4(random_weight(64, 256), 32)
-    layer = Int4Linear(q, scales, zeros, use_kernel=use_kernel)
-    assert torch.equal(layer.codes(), q)
-    if use_kernel:  # q * s + (z - 8 s): the scales are bf16 (exact in fp16), the minimums rounded to fp16
-        mins = (zeros.float() - 8 * scales.float()).half().float()
-        expected = q.float() * scales.float().repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)
-        assert torch.equal(layer.weight, expected)
-    else:
-        assert torch.equal(layer.weight, dequantize_int4(q, scales, zeros))
+    quantized = quantize_int4(random_weight(64, 256), 32)
+    layer = Int4Linear(quantized, use_kernel=use_kernel)
+    assert torch.equal(layer.codes(), quantized.q)
+    if use_kernel:  # the two levels exactly
+        assert all(torch.equal(a, b) for a, b in zip(layer.int4_weights(), quantized))
+        assert torch.equal(layer.weight, quantized.dequantize())
+    else:  # torch's kernel: (q - 8) * s + z with s and z rounded to bf16
+        scales, mins = quantized.scales(), quantized.mins()
+        zeros = (mins + 8 * scales).to(COMPUTE_DTYPE).float()
+        expected = (quantized.q.float() - 8) * scales.to(COMPUTE_DTYPE).float().repeat_interleave(32, 1)
+        assert torch.equal(layer.weight, expected + zeros.repeat_interleave(32, 1))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -265,9 +276,7 @@ def test_only_layers_of_one_format_on_the_kernel_are_fused(gate, up, fused):
         pytest.skip("needs specserve's kernel")
     mlp = GatedMLP(64, 128)
     for name, (mode, group, on_kernel) in (("gate_proj", gate), ("up_proj", up)):
-        weight = random_weight(128, 64)
-        q = quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight, group)
-        setattr(mlp, name, (Int8Linear if mode == "int8" else Int4Linear)(*q, use_kernel=on_kernel))
+        setattr(mlp, name, quantized(mode, random_weight(128, 64), use_kernel=on_kernel, group_size=group))
     x = torch.randn(3, 64)
     alone = mlp(x)
     assert fuse_projections(mlp) == int(fused) and fuse_projections(mlp) == 0  # once only
@@ -303,7 +312,7 @@ def gguf_blocks(qtype: QT, x: np.ndarray, rng: np.random.Generator) -> np.ndarra
     return random_q4_k(*x.shape, rng) if qtype == QT.Q4_K else gguf.quants.quantize(x, qtype)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_K])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K])
 def test_block_decoding_equals_gguf_dequantization(qtype):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((48, 512)).astype(np.float32)
@@ -313,35 +322,42 @@ def test_block_decoding_equals_gguf_dequantization(qtype):
         q, scales = sgguf.decode_q8_0(raw)
         decoded = q.float().view(48, -1, 32) * scales[..., None]
     else:
-        q, scales, mins = (sgguf.decode_q4_0 if qtype == QT.Q4_0 else sgguf.decode_q4_k)(raw)
-        assert q.dtype == torch.uint8 and int(q.max()) <= 15
-        decoded = q.float().view(48, -1, 32) * scales[..., None] + mins[..., None]
+        weights = sgguf.decode_q4_k(raw)
+        assert weights.q.dtype == torch.uint8 and int(weights.q.max()) <= 15 and weights.group_size == 32
+        decoded = weights.dequantize()
     np.testing.assert_array_equal(decoded.reshape(48, 512).numpy(), expected)
 
 
-def assert_int4_maps_blocks(layer: Int4Linear, expected: np.ndarray) -> None:
-    """Straight from Q4 blocks: the same codes, with scale and minimum only rounded (to fp16 for specserve's
-    kernel, to bf16 for torch's, which stores the zero, min + 8 scale)."""
-    assert layer.group_size == 32
-    scales, mins = layer.scales_and_mins()
-    eps = 2**-10 if layer.on_kernel else 2**-8
-    bound = eps * (16 * scales.abs() + mins.abs()).repeat_interleave(32, dim=1)
-    assert ((layer.weight - torch.from_numpy(expected)).abs() <= bound).all()
+def assert_int4_from_blocks(layer: Int4Linear, expected: torch.Tensor, q4_k: bool) -> None:
+    """Q4_K blocks map in with their codes and two-level scales: exactly on specserve's kernel (its format),
+    with scale and zero rounded to bf16 on torch's. Others (Q4_0) are requantized: within half a step."""
+    assert isinstance(layer, Int4Linear) and layer.group_size == 32
+    if q4_k and layer.on_kernel:
+        assert torch.equal(layer.weight, expected)
+        return
+    scales, mins = (v.repeat_interleave(32, dim=1) for v in layer.scales_and_mins())
+    bound = torch.zeros_like(expected) if q4_k else 0.5 * scales * (1 + 2**-20) + 1e-7
+    if not layer.on_kernel:
+        bound += 2**-8 * (16 * scales.abs() + mins.abs())
+    assert ((layer.weight - expected).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("use_kernel", USE_KERNEL)
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K])
-def test_int4_layer_from_q4_blocks(qtype):
+def test_int4_layer_from_q4_blocks(qtype, use_kernel, monkeypatch):
     rng = np.random.default_rng(1)
     raw = gguf_blocks(qtype, rng.standard_normal((64, 256)).astype(np.float32), rng)
     tensor = SimpleNamespace(tensor_type=qtype, data=raw)
     plan = sgguf.PlannedTensor("w", (64, 256), 0)
+    monkeypatch.setenv(kernels.ENV_VAR, "0" if use_kernel else "1")
     layer = sgguf.quantized_linear_from_gguf(tensor, plan, "int4", None)
-    assert isinstance(layer, Int4Linear)
-    assert_int4_maps_blocks(layer, gguf.quants.dequantize(raw, qtype))
+    assert layer.on_kernel == use_kernel
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert_int4_from_blocks(layer, expected, qtype == QT.Q4_K)
 
 
 H, FFN, HEADS, KV_HEADS, VOCAB_GGUF = 256, 512, 4, 2, 64
-# One tensor of each kind the loader meets: mapped straight (Q4_K, Q4_0 for int4; Q8_0 for int8) or not.
+# One tensor of each kind the loader meets: mapped straight (Q4_K for int4, Q8_0 for int8) or not.
 GGUF_TYPES = {
     "attn_q": QT.Q4_K,
     "attn_k": QT.Q4_0,
@@ -401,7 +417,7 @@ def test_quantized_loading_reads_the_gguf_blocks(tmp_path, monkeypatch):
         for name, (qtype, value) in expected.items():
             layer, value = model.get_submodule(name.removesuffix(".weight")), torch.from_numpy(value)
             if mode == "int4" and qtype in (QT.Q4_0, QT.Q4_K):
-                assert_int4_maps_blocks(layer, value.numpy())
+                assert_int4_from_blocks(layer, value, qtype == QT.Q4_K)
             elif mode == "int8" and qtype == QT.Q8_0:  # the codes, with d rounded to bf16
                 assert isinstance(layer, Int8Linear)
                 assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all()
@@ -657,7 +673,7 @@ def test_real_qwen_is_read_quantized_from_its_gguf():
     dense = {k: v for k, v in iter_checkpoint_tensors(model_dir) if k in wanted}
     model, _, _ = load_model(name, quantization="int4")
     for key, weight in dense.items():
-        assert_int4_maps_blocks(model.get_submodule(key.removesuffix(".weight")), weight.numpy())
+        assert_int4_from_blocks(model.get_submodule(key.removesuffix(".weight")), weight, q4_k=True)
     del model
     questions = ("Write a Python function that merges two sorted lists.", "What does `yield` do?")
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

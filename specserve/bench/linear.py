@@ -109,9 +109,9 @@ def _invariance_kernels(weight: torch.Tensor) -> dict[str, Kernel]:
     group = group_size_for(weight.shape[1], weight.shape[0])
     if group is not None:
         q4, q8 = quantize_int4(weight, group), quantize_int8(weight, group)
-        kernels.update({"int4": Int4Linear(*q4), "int8": Int8Linear(*q8)})
+        kernels.update({"int4": Int4Linear(q4), "int8": Int8Linear(*q8)})
         if kernels["int4"].on_kernel:  # torch's kernel, for comparison
-            kernels.update({"int4 torch": Int4Linear(*q4, use_kernel=False)})
+            kernels.update({"int4 torch": Int4Linear(q4, use_kernel=False)})
             kernels.update({"int8 torch": Int8Linear(*q8, use_kernel=False)})
     return kernels
 

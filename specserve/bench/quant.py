@@ -122,8 +122,8 @@ def bench_kernels(rounds: int, m_values: list[int]) -> dict:
             "int8 torch": [Int8Linear(*quantize_int8(w, 32), use_kernel=False) for w in weights],
             # torch's per-channel int8 kernel: measured, not used (see specserve/layers/quant.py)
             "int8pack": [_int8pack(w) for w in weights],
-            "int4 torch": [Int4Linear(*quantize_int4(w, 32), use_kernel=False) for w in weights],
-            "int4 torch g128": [Int4Linear(*quantize_int4(w, 128), use_kernel=False) for w in weights],
+            "int4 torch": [Int4Linear(quantize_int4(w, 32), use_kernel=False) for w in weights],
+            "int4 torch g128": [Int4Linear(quantize_int4(w, 128), use_kernel=False) for w in weights],
         }
         ops = kernels.ops()
         if ops is not None:

@@ -2,9 +2,11 @@
 (specserve/layers/kernels), else on PyTorch's int4 CPU kernel.
 
 Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the layers):
-- int4: asymmetric, one scale and zero per group of G = 32 inputs (64, 128, 256 also work):
-  w ~ (q - 8) * s + z, q in [0, 15], s and z rounded to bf16 before q is chosen. GGUF Q4_0 / Q4_K blocks
-  keep their own codes, scales and minimums (models/gguf.py).
+- int4: asymmetric, w ~ q * s + m with q in [0, 15] and a scale s and minimum m per group of G = 32
+  inputs (64, 128, 256 also work), in two levels as GGUF's Q4_K (`Int4Weights`): s = d * s_g and m = dmin *
+  m_g with 8-bit s_g, m_g per group and fp16 d, dmin per 8 groups: 4.625 bits a weight at G = 32. The grid
+  of each group covers its weights (m rounded down, s up to those steps), q rounds to it: at most half a
+  step of error. GGUF Q4_K blocks keep their own codes and scales, exactly (models/gguf.py).
 - int8: symmetric, w ~ q * s, q in [-127, 127], s = max|w| / 127 per group of 32: GGUF Q8_0's format, so
   Q8_0 blocks map in as they are. Weight error: at most half a step, max|w| / 254 per group.
 
@@ -15,9 +17,9 @@ max|x| / 127, as llama.cpp's Q8_0 activations), each block's dot product is exac
 which is also the output dtype. Per block, not per row: one outlier input (Qwen's MLP activations have
 some hundreds of times the median) then costs resolution only in its own block. That rounding is the
 error the kernel adds: at most half an int8 step per input, max|x| / 254 in its block (0.5% rms of the
-output on Gaussian data, as much as int8's own weight rounding adds). Scales (and int4's minimums, z - 8
-s) are stored in fp16: bf16 scales and Q4_0 / Q8_0's fp16 scales are exact in it, minimums and Q4_K's
-scales round within 2^-11; a layer whose scales overflow fp16 keeps torch's kernel.
+output on Gaussian data, as much as int8's own weight rounding adds). int8 scales are stored in fp16
+(Q8_0's own are exact in it); int4's two levels are exact in fp32 (an fp16 times an 8-bit integer); a
+layer whose scales overflow fp16 keeps torch's kernel.
 `SPECSERVE_NO_KERNELS=1`, a failed build or a CPU without AVX2 give torch's kernel everywhere.
 
 torch's kernel (`aten._weight_int4pack_mm_for_cpu`, weight packed by `_convert_weight_to_int4pack_for_cpu`,
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -87,37 +90,101 @@ def _by_rows(quantize):
     each) while a model loads."""
 
     @functools.wraps(quantize)
-    def run(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    def run(weight: torch.Tensor, group_size: int):
         parts = [quantize(rows, group_size) for rows in weight.detach().split(ROWS_PER_CHUNK)]
-        return tuple(torch.cat(chunks) for chunks in zip(*parts, strict=True))
+        return concatenated(parts)
 
     return run
 
 
-@_by_rows
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q uint8 [N, K] in 0..15, scales bf16 [N, K / G], zeros bf16 [N, K / G]) with w ~ (q - 8) * s + z.
+def concatenated(parts: Sequence[tuple]) -> tuple:
+    """Row blocks of one quantized weight (tuples of per-row tensors) as one, of the parts' own type."""
+    tensors = tuple(torch.cat(chunks) for chunks in zip(*parts, strict=True))
+    return type(parts[0])(*tensors) if isinstance(parts[0], Int4Weights) else tensors
 
-    Scale and zero come from the group's min and max, rounded to bf16 before q is chosen, so that q fits
-    the values the kernel will really use."""
+
+GROUPS_PER_SUPER = 8  # int4 groups sharing one d and dmin: 256 inputs at G = 32, GGUF Q4_K's super-block
+
+
+def _per_group(values: torch.Tensor, groups: int) -> torch.Tensor:
+    """[N, S] per super-block -> [N, groups]."""
+    return values.repeat_interleave(GROUPS_PER_SUPER, dim=1)[:, :groups]
+
+
+class Int4Weights(NamedTuple):
+    """An int4 weight in two levels (GGUF Q4_K's form): w = q * scale + min per group of G inputs, group g's
+    scale d * sub_scales[g] and minimum dmin * sub_mins[g], with d and dmin (fp16 values) shared by
+    GROUPS_PER_SUPER consecutive groups. Scales and minimums are exact in fp32 (11 by 8 bits)."""
+
+    q: torch.Tensor  # uint8 [N, K], 0..15
+    d: torch.Tensor  # float32 [N, S], fp16 values, S = ceil(K / G / GROUPS_PER_SUPER)
+    dmin: torch.Tensor  # float32 [N, S], fp16 values
+    sub_scales: torch.Tensor  # uint8 [N, K / G]
+    sub_mins: torch.Tensor  # int8 [N, K / G]
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.sub_scales.shape[1]
+
+    def scales(self) -> torch.Tensor:
+        """fp32 [N, K / G]."""
+        return _per_group(self.d, self.sub_scales.shape[1]) * self.sub_scales.float()
+
+    def mins(self) -> torch.Tensor:
+        return _per_group(self.dmin, self.sub_mins.shape[1]) * self.sub_mins.float()
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group_size
+        return self.q.float() * _expand(self.scales(), g) + _expand(self.mins(), g)
+
+
+def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 value >= x (x >= 0, in fp16's range), as float32."""
+    h = x.half()
+    up = torch.nextafter(h, torch.full_like(h, float("inf")))
+    return torch.where(h.float() < x, up, h).float()
+
+
+def _super_steps(values: torch.Tensor, top: int) -> torch.Tensor:
+    """Per super-block, the fp16 step d >= max(values) / top: [N, groups] -> [N, S]."""
+    n, groups = values.shape
+    padded = torch.zeros(n, -(-groups // GROUPS_PER_SUPER) * GROUPS_PER_SUPER)
+    padded[:, :groups] = values
+    return _fp16_at_least(padded.view(n, -1, GROUPS_PER_SUPER).amax(-1) / top)
+
+
+@_by_rows
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
+    """Two-level int4 (`Int4Weights`) whose grid covers each group's weights: the group's minimum rounded
+    down to a step of dmin (max |min| / 127 in its super-block), its scale up to a step of d (the largest
+    scale / 255), both fp16 rounded up; q then rounds to the grid: at most half a step of error."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // group_size, group_size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = ((high - low) / 15).clamp_min(1e-12).to(COMPUTE_DTYPE)
-    zeros = (low + 8 * scales.float()).to(COMPUTE_DTYPE)
-    q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]) + 8
-    return q.clamp_(0, 15).to(torch.uint8).reshape(n, k), scales, zeros
+    count = low.shape[1]
+    dmin = _super_steps(low.abs(), 127)
+    step = _per_group(dmin, count)
+    sub_mins = torch.where(step > 0, torch.floor(low / step.clamp_min(1e-30)), 0).clamp_(-128, 127)
+    mins = step * sub_mins
+    d = _super_steps((high - mins) / 15, 255)
+    step = _per_group(d, count)
+    sub_scales = torch.where(step > 0, torch.ceil((high - mins) / 15 / step.clamp_min(1e-30)), 0)
+    scales = step * sub_scales.clamp_(0, 255)
+    q = torch.round((groups - mins[..., None]) / scales.clamp_min(1e-30)[..., None]).clamp_(0, 15)
+    return Int4Weights(
+        q.to(torch.uint8).reshape(n, k), d, dmin, sub_scales.to(torch.uint8), sub_mins.to(torch.int8)
+    )
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, K] from `quantize_int4`'s format, computed as the kernel computes it."""
+    """fp32 [N, K] from torch's int4 form, w = (q - 8) * s + z, computed as its kernel computes it."""
     n, k = q.shape
     groups = scales.shape[1]
     centred = q.float().view(n, groups, k // groups) - 8
     return (centred * scales.float()[..., None] + zeros.float()[..., None]).view(n, k)
 
 
-Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q, scales, zeros) as quantize_int4 returns
+Int4Plane = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q, scales, zeros): torch's int4 form
 
 
 @_by_rows
@@ -148,7 +215,8 @@ def int8_from_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[Int4Plane, In
 # -------------------------------------------------------------------------------- the kernel's layout
 # specserve/layers/kernels/qlinear.cpp: output channels in tiles of 16; in a tile, 64-byte lines of 4
 # inputs x 16 channels (byte 4c + j: channel c, input j); int4 packs two consecutive lines into the low
-# and high nibbles of one. Scales (and int4 minimums) fp16, [N / 16, K / G, 16].
+# and high nibbles of one. int8 scales fp16, [N / 16, K / G, 16]; int4's groups uint8 [N / 16, K / G, 32]
+# (16 sub-scales, then 16 sub-minimums) and super-blocks fp16 [N / 16, S, 32] (16 d, then 16 dmin).
 
 
 def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
@@ -184,6 +252,30 @@ def pack_groups(values: torch.Tensor) -> torch.Tensor:
 def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
     tiles, groups, _ = packed.shape
     return packed.float().transpose(1, 2).reshape(16 * tiles, groups)
+
+
+def _pack_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[N, X] twice -> [N / 16, X, 32]: per tile and X, a's 16 channels, then b's."""
+    n, x = a.shape
+    return torch.stack([a, b]).reshape(2, n // 16, 16, x).permute(1, 3, 0, 2).reshape(n // 16, x, 32)
+
+
+def _unpack_pairs(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tiles, x, _ = packed.shape
+    a, b = packed.reshape(tiles, x, 2, 16).permute(2, 0, 3, 1).reshape(2, 16 * tiles, x)
+    return a, b
+
+
+def pack_int4_scales(w: Int4Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(groups uint8 [N / 16, K / G, 32], supers fp16 [N / 16, S, 32])."""
+    groups = _pack_pairs(w.sub_scales, w.sub_mins.view(torch.uint8)).contiguous()
+    return groups, _pack_pairs(w.d.half(), w.dmin.half()).contiguous()
+
+
+def unpack_int4_scales(q: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> Int4Weights:
+    sub_scales, sub_mins = _unpack_pairs(groups)
+    d, dmin = _unpack_pairs(supers)
+    return Int4Weights(q, d.float(), dmin.float(), sub_scales, sub_mins.view(torch.int8))
 
 
 def _use_kernel(wanted: bool | None, *values: torch.Tensor) -> bool:
@@ -257,77 +349,98 @@ class _QuantizedLinear(nn.Module):
         )
 
 
-class Int4Linear(_QuantizedLinear):
-    """Inference-only linear layer with a group-wise int4 weight, w = (q - 8) * scales + zeros.
+class TorchInt4(nn.Module):
+    """One int4 weight on torch's kernel (`aten._weight_int4pack_mm_for_cpu`): w = (q - 8) * s + z per group,
+    s and z bf16. What an int4 layer runs on without specserve's kernel, and int8's two planes there."""
 
-    On specserve's kernel when it is available (`use_kernel=None`), else on torch's: the buffers hold that
-    kernel's packed layout. `weight` reads the dequantized fp32 weight that the layer computes with."""
-
-    KERNEL_BUFFERS = ("packed", "scales", "mins")
-
-    def __init__(
-        self,
-        q: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        use_kernel: bool | None = None,
-    ):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         super().__init__()
-        self.out_features, self.in_features = q.shape
+        self.in_features = q.shape[1]
         self.group_size = self.in_features // scales.shape[1]
-        self.bias = bias
-        scales, zeros = scales.float(), zeros.float()
-        mins = zeros - 8 * scales  # the kernel's form: w = q * s + min (GGUF's)
-        self.on_kernel = _use_kernel(use_kernel, scales, mins)
-        if self.on_kernel:
-            self.register_buffer("packed", pack_int4_codes(q.to(torch.uint8)))
-            self.register_buffer("scales", pack_groups(scales))
-            self.register_buffer("mins", pack_groups(mins))
-            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed)
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        scales_and_zeros = torch.stack([scales.float(), zeros.float()], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE))
 
     def codes(self) -> torch.Tensor:
         """q as uint8 [N, K] in 0..15 (torch's layout depends on the CPU's vector width, so its codes are read
         back through its kernel: identity input, unit scales; slow, for inspection)."""
-        if self.on_kernel:
-            return unpack_int4_codes(self.packed)
         eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
         unit = torch.zeros_like(self.scales_and_zeros)
         unit[..., 0] = 1
         centred = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
         return (centred.t().float() + 8).to(torch.uint8)
 
-    def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scales, mins) fp32 [N, K / G] as the layer stores them: w = q * scales + mins."""
-        if self.on_kernel:
-            return unpack_groups(self.scales), unpack_groups(self.mins)
+    def scales_and_zeros_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
         scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
-        return scales, zeros - 8 * scales
+        return scales, zeros
 
     @property
     def weight(self) -> torch.Tensor:
-        if not self.on_kernel:  # torch's kernel computes (q - 8) * s + z
-            scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
-            return dequantize_int4(self.codes(), scales, zeros)
-        scales, mins = self.scales_and_mins()
-        return self.codes().float() * _expand(scales, self.group_size) + _expand(mins, self.group_size)
+        return dequantize_int4(self.codes(), *self.scales_and_zeros_fp32())
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """torch's kernel: bf16 [M, K] (contiguous) -> bf16 [M, N], without the bias."""
+        """bf16 [M, K] (contiguous) -> bf16 [M, N], without a bias."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, self.group_size, self.scales_and_zeros
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _finish(self.matmul(_as_rows(x)), x, None)
+
+
+class Int4Linear(_QuantizedLinear):
+    """Inference-only linear layer with a group-wise int4 weight in two levels (`Int4Weights`).
+
+    On specserve's kernel when it is available (`use_kernel=None`): its buffers hold the weight exactly, in
+    the kernel's layout. Else on torch's (`TorchInt4`), whose bf16 scales and zeros round the weight's.
+    `weight` reads the dequantized fp32 weight that the layer computes with."""
+
+    KERNEL_BUFFERS = ("packed", "scales", "supers")
+
+    def __init__(
+        self, weights: Int4Weights, bias: torch.Tensor | None = None, use_kernel: bool | None = None
+    ):
+        super().__init__()
+        self.out_features, self.in_features = weights.q.shape
+        self.group_size = weights.group_size
+        self.bias = bias
+        self.on_kernel = _use_kernel(use_kernel, weights.d, weights.dmin)
+        if self.on_kernel:
+            self.register_buffer("packed", pack_int4_codes(weights.q.to(torch.uint8)))
+            groups, supers = pack_int4_scales(weights)
+            self.register_buffer("scales", groups)
+            self.register_buffer("supers", supers)
+            return
+        scales = weights.scales()
+        self.plane = TorchInt4(weights.q, scales, weights.mins() + 8 * scales)
+
+    def int4_weights(self) -> Int4Weights:
+        """The two-level weight the kernel computes with (specserve's kernel only; slow, for inspection)."""
+        return unpack_int4_scales(unpack_int4_codes(self.packed), self.scales, self.supers)
+
+    def codes(self) -> torch.Tensor:
+        """q as uint8 [N, K] in 0..15."""
+        return unpack_int4_codes(self.packed) if self.on_kernel else self.plane.codes()
+
+    def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, mins) fp32 [N, K / G] as the layer computes with them: w = q * scales + mins."""
+        if self.on_kernel:
+            w = self.int4_weights()
+            return w.scales(), w.mins()
+        scales, zeros = self.plane.scales_and_zeros_fp32()
+        return scales, zeros - 8 * scales
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.int4_weights().dequantize() if self.on_kernel else self.plane.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_kernel:
             b = self._buffers  # a dict lookup: nn.Module's attribute lookup of a buffer costs ~0.5 us
             op = torch.ops.specserve.int4_linear
-            return kernel_call(op, x, self.bias, b["packed"], b["scales"], b["mins"])
-        return _finish(self.matmul(_as_rows(x)), x, self.bias)
+            return kernel_call(op, x, self.bias, b["packed"], b["scales"], b["supers"])
+        return _finish(self.plane.matmul(_as_rows(x)), x, self.bias)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -355,8 +468,8 @@ class Int8Linear(_QuantizedLinear):
             self.register_buffer("scales", pack_groups(scales.float()))
         else:
             coarse, residual = int8_from_q8_0(q, scales)
-            self.coarse = Int4Linear(*coarse, use_kernel=False)
-            self.residual = Int4Linear(*residual, use_kernel=False)
+            self.coarse = TorchInt4(*coarse)
+            self.residual = TorchInt4(*residual)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -436,9 +549,8 @@ def quantize_row_blocks(
     the whole weight in fp32."""
     group_size = group_size_for(shape[1], shape[0], group_size)
     quantize = quantize_int8 if check_mode(mode) == "int8" else quantize_int4
-    planes = [torch.cat(p) for p in zip(*(quantize(b, group_size) for b in blocks), strict=True)]
-    layer = Int8Linear if mode == "int8" else Int4Linear
-    return layer(*planes, bias)
+    quantized = concatenated([quantize(b, group_size) for b in blocks])
+    return Int4Linear(quantized, bias) if mode == "int4" else Int8Linear(*quantized, bias)
 
 
 # ---------------------------------------------------------------------------------------------- models

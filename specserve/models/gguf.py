@@ -26,9 +26,9 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
 
 Quantized loading (`load_quantized`, used when the engine is asked for int8/int4) reads the linear
 weights from the GGUF itself rather than from the fp32 conversion: Q8_0 blocks become int8 (their codes
-and scales) and Q4_0 / Q4_K blocks int4 (group 32, their own codes, scales and minimums)
-without an fp32 copy of the tensor; other types are dequantized in memory, one tensor at a time, and
-requantized.
+and scales) and Q4_K blocks int4 (group 32, their own codes and two-level scales, exactly: the kernel's
+int4 format is Q4_K's) without an fp32 copy of the tensor; other types (Q4_0 among them) are dequantized
+in memory, one tensor at a time, and requantized.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from specserve.cache_dir import cache_root, file_lock
 from specserve.config import SpecserveError
 from specserve.layers.quant import (
     Int4Linear,
+    Int4Weights,
     Int8Linear,
     QuantizedLinear,
     quantizable_linears,
@@ -531,8 +532,6 @@ def convert_gguf(
 # ------------------------------------------------------------------------------------- quantized loading
 # Block layouts (ggml's ggml-common.h; the tests check them against gguf.quants' own dequantization):
 #   Q8_0: 32 weights in 34 bytes: fp16 d, 32 int8 codes; w = d * q.
-#   Q4_0: 32 weights in 18 bytes: fp16 d, 16 bytes whose low nibbles are codes 0..15 and high nibbles
-#         codes 16..31; w = d * (q - 8).
 #   Q4_K: 256 weights in 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, then 4
 #         chunks of 32 bytes, chunk c holding sub-block 2c in its low nibbles and 2c + 1 in its high ones;
 #         w = d * scale_j * q - dmin * min_j for sub-block j (32 weights).
@@ -550,37 +549,30 @@ def decode_q8_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), torch.from_numpy(_fp16(blocks[..., :2]))
 
 
-def decode_q4_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 rows -> (q uint8 [N, K] in 0..15, scales, mins float32 [N, K / 32]) with w = q * scale + min."""
-    blocks = data.reshape(data.shape[0], -1, 18)
-    packed = blocks[..., 2:]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(data.shape[0], -1)
-    scales = _fp16(blocks[..., :2])
-    return torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(-8 * scales)
-
-
 def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 12 scale bytes of each Q4_K block -> 8 six-bit scales and 8 six-bit mins."""
     low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 6) << 4)], axis=-1)
     mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 6) << 4)], axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales.astype(np.uint8), mins.astype(np.uint8)
 
 
-def decode_q4_k(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows -> (q uint8 [N, K] in 0..15, scales, mins float32 [N, K / 32]) with w = q * scale + min."""
+def decode_q4_k(data: np.ndarray) -> Int4Weights:
+    """Q4_K rows -> the same weight as `Int4Weights` (group 32, super-blocks of 8 groups): Q4_K's min is
+    subtracted, -dmin * m, so the sub-minimums are the negated six-bit mins."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, 144)
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
     sub_scales, sub_mins = _q4_k_scales_and_mins(blocks[..., 4:16])
     chunks = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
     q = np.concatenate([chunks & 0x0F, chunks >> 4], axis=-2).reshape(rows, -1)
-    scales = (d[..., None] * sub_scales).reshape(rows, -1)
-    mins = -(dmin[..., None] * sub_mins).reshape(rows, -1)
-    return torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(mins)
-
-
-_INT4_DECODERS = {"Q4_0": decode_q4_0, "Q4_K": decode_q4_k}
+    return Int4Weights(
+        torch.from_numpy(q),
+        torch.from_numpy(d),
+        torch.from_numpy(dmin),
+        torch.from_numpy(sub_scales.reshape(rows, -1)),
+        torch.from_numpy(-sub_mins.reshape(rows, -1).astype(np.int8)),
+    )
 
 
 def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> QuantizedLinear:
@@ -590,9 +582,8 @@ def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> 
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
     if mode == "int8" and kind == "Q8_0":
         return Int8Linear(*decode_q8_0(raw), bias)
-    if mode == "int4" and kind in _INT4_DECODERS:
-        q, scales, mins = _INT4_DECODERS[kind](raw)
-        return Int4Linear(q, scales, mins + 8 * scales, bias)  # zero: the value of the middle code, 8
+    if mode == "int4" and kind == "Q4_K":
+        return Int4Linear(decode_q4_k(raw), bias)
     blocks = (torch.from_numpy(block) for block in dequantized_row_blocks(raw, tensor.tensor_type))
     return quantize_row_blocks(blocks, plan.shape, bias, mode)
 

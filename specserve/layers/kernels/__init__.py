@@ -121,10 +121,10 @@ def rows_take(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     if not (x.dim() in (2, 3) and x.stride(-1) == 1):
         return False
     grad = torch.is_grad_enabled()
-    return all(
-        t is None or (t.dtype == torch.float32 and t.is_cpu and not (grad and t.requires_grad))
-        for t in (x, *others)
-    )
+    for t in (x, *others):  # a loop, not all() over a generator: asked ~200 times a decoded token
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 def isa_name() -> str:

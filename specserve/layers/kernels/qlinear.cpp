@@ -1,9 +1,9 @@
 // Weight-only int4 / int8 linear layers for x86 CPUs: y = x W^T (+ bias), fp32 in and out.
 //
 // Activations are quantized to int8 per block of 32 inputs (scale = max|x| / 127, as llama.cpp's Q8_0),
-// weights stay 4- or 8-bit codes with one fp16 scale (and, for int4, one fp16 minimum) per group of G >= 32
-// inputs; each block's dot product is exact integer arithmetic (AVX2 maddubs / madd, AVX-512 VNNI dpbusd
-// or AMX tile multiplies), and one block at a time is folded into an fp32 accumulator per output element:
+// weights stay 4- or 8-bit codes with a scale (and, for int4, a minimum) per group of G >= 32 inputs; each
+// block's dot product is exact integer arithmetic (AVX2 maddubs / madd, AVX-512 VNNI dpbusd or AMX tile
+// multiplies), and one block at a time is folded into an fp32 accumulator per output element:
 //     acc = fma(float(dot_b), w_scale * x_scale_b, acc);  acc = fma(w_min, x_scale_b * sum_b(x_q), acc)
 // in the order b = 0, 1, ..., whatever the number of rows M: a row's output is bitwise independent of the
 // other rows of the call and of M (rows only share the unpacking of a weight tile). The integer dot
@@ -15,7 +15,12 @@
 //   int4 codes  uint8 [N/16, K/8, 64]: line l holds two quads of inputs, 8l..8l+3 in the low nibbles and
 //               8l+4..8l+7 in the high ones, byte 4c + j = output 16t + c, input (quad) + j
 //   int8 codes  int8 [N/16, K/4, 64]: line l holds inputs 4l..4l+3, byte 4c + j as above
-//   scales, mins fp16 [N/16, K/G, 16]
+//   int8 scales fp16 [N/16, K/G, 16]
+//   int4 scales two levels, as GGUF's Q4_K: group g's scale and minimum are d * s_g and dmin * m_g, with
+//               8-bit s_g (unsigned) and m_g (signed) per group, uint8 [N/16, K/G, 32] (16 s, then 16 m),
+//               and fp16 d, dmin per 8 groups, [N/16, ceil(K/G / 8), 32] (16 d, then 16 dmin): 4.625 bits
+//               a weight at G = 32 instead of 5 with fp16 scales and minimums per group. The products are
+//               exact in fp32 (11-bit by 8-bit mantissas), so every path computes the same w_scale, w_min.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -78,11 +83,18 @@ struct Acts {
   int64_t nb;
 };
 
+constexpr int64_t kGroupsPerSuper = 8;  // int4 groups that share one d, dmin
+
 struct Weights {
-  const uint8_t* codes;  // this tile's
-  const uint16_t* scales;
-  const uint16_t* mins;  // int4 only
-  int gshift;            // log2(G / 32): block b uses group b >> gshift
+  const uint8_t* codes;    // this tile's
+  const uint16_t* scales;  // int8: fp16 per group
+  const uint8_t* groups;   // int4: s, m per group
+  const uint16_t* supers;  // int4: d, dmin per 8 groups
+  int gshift;              // log2(G / 32): block b uses group b >> gshift
+
+  // int4: column c's sub-scale and sub-minimum bytes, and d, dmin (fp16 bits) of block b
+  const uint8_t* group_of(int64_t b) const { return groups + (b >> gshift) * 2 * kTile; }
+  const uint16_t* super_of(int64_t b) const { return supers + ((b >> gshift) / kGroupsPerSuper) * 2 * kTile; }
 };
 
 // --------------------------------------------------------------------------------- activations
@@ -153,9 +165,18 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t r0, int rows, const fl
             code = reinterpret_cast<const int8_t*>(w.codes)[quad * 64 + 4 * c + i % 4];
           dot += code * xq[i];
         }
-        const int64_t g = (b >> w.gshift) * kTile + c, i = (r0 + r) * a.nb + b;
-        acc = std::fma(static_cast<float>(dot), half_to_float(w.scales[g]) * a.scale[i], acc);
-        if (kInt4) acc = std::fma(half_to_float(w.mins[g]), a.sum[i], acc);
+        const int64_t i = (r0 + r) * a.nb + b;
+        if (kInt4) {
+          const uint8_t* sm = w.group_of(b);
+          const uint16_t* dd = w.super_of(b);
+          const float ws = half_to_float(dd[c]) * static_cast<float>(sm[c]);
+          const float mn = half_to_float(dd[kTile + c]) * static_cast<float>(static_cast<int8_t>(sm[kTile + c]));
+          acc = std::fma(static_cast<float>(dot), ws * a.scale[i], acc);
+          acc = std::fma(mn, a.sum[i], acc);
+        } else {
+          const float ws = half_to_float(w.scales[(b >> w.gshift) * kTile + c]);
+          acc = std::fma(static_cast<float>(dot), ws * a.scale[i], acc);
+        }
       }
       out[r * ldo + c] = bias ? acc + bias[c] : acc;
     }
@@ -183,7 +204,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Weights& w, const 
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
-    const int64_t g = (b >> w.gshift) * kTile;
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = a.q + ((r0 + r) * a.nb + b) * kBlock;
     __m256i dot[R][2];
@@ -233,11 +253,20 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Weights& w, const 
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 ws =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + g + 8 * h)));
-      const __m256 mn =
-          kInt4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mins + g + 8 * h)))
-                : _mm256_setzero_ps();
+      __m256 ws, mn = _mm256_setzero_ps();
+      if (kInt4) {
+        const uint8_t* sm = w.group_of(b) + 8 * h;
+        const uint16_t* dd = w.super_of(b) + 8 * h;
+        ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                               reinterpret_cast<const __m128i*>(sm)))));
+        mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + kTile))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                               reinterpret_cast<const __m128i*>(sm + kTile)))));
+      } else {
+        ws = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (b >> w.gshift) * kTile + 8 * h)));
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * a.nb + b;
         const __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(a.scale[i]));
@@ -263,11 +292,20 @@ template <int R, bool kInt4>
 __attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512* acc, const __m512i* dot,
                                                                          const Weights& w, const Acts& a,
                                                                          int64_t r0, int64_t b) {
-  const int64_t g = (b >> w.gshift) * kTile;
-  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + g)));
-  const __m512 mn = kInt4
-                        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + g)))
-                        : _mm512_setzero_ps();
+  __m512 ws, mn = _mm512_setzero_ps();
+  if (kInt4) {
+    const uint8_t* sm = w.group_of(b);
+    const uint16_t* dd = w.super_of(b);
+    ws = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd))),
+                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                           reinterpret_cast<const __m128i*>(sm)))));
+    mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + kTile))),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                           reinterpret_cast<const __m128i*>(sm + kTile)))));
+  } else {
+    ws = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + (b >> w.gshift) * kTile)));
+  }
   for (int r = 0; r < R; ++r) {
     const int64_t i = (r0 + r) * a.nb + b;
     const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
@@ -508,14 +546,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   return quantize_rows_padded(x, isa, x.size(0));
 }
 
+// int4: `scales` is the groups' bytes (uint8 [N/16, K/G, 32]) and `supers` d, dmin (fp16 [N/16, S, 32]);
+// int8: `scales` fp16 [N/16, K/G, 16].
 at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& supers, const c10::optional<at::Tensor>& bias,
                    int64_t isa) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.is_contiguous(),
               "codes: packed [N/16, _, 64]");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.scalar_type() == at::kHalf &&
-                  scales.is_contiguous(),
-              "scales: fp16 [N/16, K/G, 16]");
+  const int64_t width = int4 ? 2 * kTile : kTile;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == width &&
+                  scales.scalar_type() == (int4 ? at::kByte : at::kHalf) && scales.is_contiguous(),
+              int4 ? "scales: uint8 [N/16, K/G, 32]" : "scales: fp16 [N/16, K/G, 16]");
   const int64_t tiles = codes.size(0), n = tiles * kTile, k = x.size(1);
   TORCH_CHECK(codes.size(1) * (int4 ? 8 : 4) == k, "codes do not match K = ", k);
   const int64_t groups = scales.size(1);
@@ -523,10 +564,12 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t per_group = k / groups / kBlock;
   TORCH_CHECK(per_group > 0 && (per_group & (per_group - 1)) == 0 && per_group * kBlock * groups == k,
               "group size must be 32 times a power of two");
+  const int64_t super_groups = (groups + kGroupsPerSuper - 1) / kGroupsPerSuper;
   if (int4)
-    TORCH_CHECK(
-        mins && mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf && mins->is_contiguous(),
-        "mins: like scales");
+    TORCH_CHECK(supers && supers->dim() == 3 && supers->size(0) == tiles && supers->size(1) == super_groups &&
+                    supers->size(2) == 2 * kTile && supers->scalar_type() == at::kHalf &&
+                    supers->is_contiguous(),
+                "supers: fp16 [N/16, ceil(K/G / 8), 32]");
   if (bias)
     TORCH_CHECK(
         bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -543,8 +586,8 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock};
   const int gshift = __builtin_ctzll(per_group);
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* mp = int4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const auto* sp = static_cast<const uint8_t*>(scales.data_ptr());
+  const auto* dp = int4 ? reinterpret_cast<const uint16_t*>(supers->data_ptr<at::Half>()) : nullptr;
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t tile_bytes = codes.size(1) * 64;
@@ -553,8 +596,13 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     if (isa == kAmx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRows)));  // per thread
     for (int64_t t = t0; t < t1; ++t) {
-      const Weights w{cp + t * tile_bytes, sp + t * groups * kTile, mp ? mp + t * groups * kTile : nullptr,
-                      gshift};
+      Weights w{cp + t * tile_bytes, nullptr, nullptr, nullptr, gshift};
+      if (int4) {
+        w.groups = sp + t * groups * 2 * kTile;
+        w.supers = dp + t * super_groups * 2 * kTile;
+      } else {
+        w.scales = reinterpret_cast<const uint16_t*>(sp) + t * groups * kTile;
+      }
       const float* b = bp ? bp + t * kTile : nullptr;
       float* o = op + t * kTile;
       if (isa == kAmx)
@@ -570,9 +618,9 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias, int64_t isa) {
+                       const at::Tensor& supers, const c10::optional<at::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "int4 codes: uint8");
-  return qlinear(true, x, codes, scales, mins, bias, isa);
+  return qlinear(true, x, codes, scales, supers, bias, isa);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -596,7 +644,7 @@ TORCH_LIBRARY(specserve, m) {
   m.def("parallel_threads() -> int", &parallel_threads);
   m.def("quantize_rows(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_rows);
   m.def(
-      "int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias=None, int isa=-1) -> "
+      "int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor supers, Tensor? bias=None, int isa=-1) -> "
       "Tensor",
       &int4_linear);
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias=None, int isa=-1) -> Tensor",
