@@ -44,8 +44,9 @@ constexpr int64_t kTile = 16;   // output columns per weight tile
 constexpr int kRows = 4;        // rows sharing one pass over a weight tile (registers)
 constexpr int kAmxRows = 16;    // rows of one AMX tile multiply
 // From this many rows on AMX beats VNNI (measured on Sapphire Rapids at the 1.5B's shapes): below, VNNI
-// reads the weights at memory speed, while AMX pays a fixed cost a block (int4 unpacking, tile stores).
-constexpr int kAmxMinRowsInt4 = 10, kAmxMinRowsInt8 = 5;
+// reads the weights at memory speed, while AMX pays a fixed cost a block (int4 unpacking, tile stores);
+// from 5 rows VNNI makes a second pass of kRows over each tile.
+constexpr int kAmxMinRows = 5;
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
@@ -409,7 +410,10 @@ __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
     _tile_stored(D, dots, kTile * 4);                                   \
   } while (0)
 
-constexpr int64_t kAmxChunk = 16;  // int4 blocks unpacked at a time (8 KiB, stays in L1)
+// The blocks go through a software pipeline: in step i block i is unpacked, block i - kAmxLag multiplied
+// and block i - 2 kAmxLag folded, so the weights stream in (and the tile unit works) while the vector units
+// fold, instead of in turns; tile results are read back kAmxLag steps after their store.
+constexpr int64_t kAmxLag = 2, kAmxRing = 4;  // ring slots > lag
 
 // The configured tile rows (>= R) of activations are read from row r0 on (the caller pads past M with
 // zero rows); R of them are finished.
@@ -418,35 +422,37 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(cons
                                                                           const Acts& a, int64_t r0,
                                                                           const float* bias, float* out,
                                                                           int64_t ldo) {
-  alignas(64) uint8_t unpacked[kAmxChunk * 8 * 64];
-  alignas(64) int32_t dots[kAmxChunk][kAmxRows * kTile];
+  alignas(64) uint8_t unpacked[kAmxRing][kBlock * kTile];
+  alignas(64) int32_t dots[kAmxRing][kAmxRows * kTile];
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t stride = a.nb * kBlock;
-  for (int64_t b0 = 0; b0 < a.nb; b0 += kAmxChunk) {
-    const int64_t b1 = std::min(a.nb, b0 + kAmxChunk);
-    // the weights of the chunk's block j, 512 bytes
-    auto weights = [&](int64_t j) { return kInt4 ? unpacked + j * 512 : w.codes + (b0 + j) * 512; };
-    if (kInt4)
-      for (int64_t l = 4 * b0; l < 4 * b1; ++l) {  // line l -> quads 2l (low nibbles), 2l + 1 (high)
-        _mm_prefetch(reinterpret_cast<const char*>(w.codes + l * 64 + kPrefetchBytes), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(w.codes + l * 64);
-        uint8_t* to = unpacked + (l - 4 * b0) * 128;
-        _mm512_store_si512(to, _mm512_and_si512(v, nibble));
-        _mm512_store_si512(to + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+  const int8_t* x = a.q + r0 * stride;
+  for (int64_t i = 0; i < a.nb + 2 * kAmxLag; ++i) {
+    if (kInt4 && i < a.nb) {  // line l -> quads 2l (low nibbles), 2l + 1 (high)
+      uint8_t* to = unpacked[i % kAmxRing];
+      const uint8_t* line = w.codes + 4 * i * 64;
+      prefetch_lines(line + kPrefetchBytes, 4);
+      for (int l = 0; l < 4; ++l) {
+        const __m512i v = _mm512_loadu_si512(line + 64 * l);
+        _mm512_store_si512(to + 128 * l, _mm512_and_si512(v, nibble));
+        _mm512_store_si512(to + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
       }
-    // all the chunk's tile multiplies, then its float steps: these then read settled memory
-    const int8_t* x = a.q + r0 * stride;
-    for (int64_t b = b0; b < b1; b += 2) {
-      SPECSERVE_AMX_DOTS(0, 1, 2, x + b * kBlock, stride, weights(b - b0), dots[b - b0]);
-      if (b + 1 < b1)
-        SPECSERVE_AMX_DOTS(3, 4, 5, x + (b + 1) * kBlock, stride, weights(b + 1 - b0), dots[b + 1 - b0]);
     }
-    for (int64_t b = b0; b < b1; ++b) {
+    const int64_t b = i - kAmxLag;
+    if (b >= 0 && b < a.nb) {
+      const uint8_t* weights = kInt4 ? unpacked[b % kAmxRing] : w.codes + b * kBlock * kTile;
+      if (b & 1)
+        SPECSERVE_AMX_DOTS(3, 4, 5, x + b * kBlock, stride, weights, dots[b % kAmxRing]);
+      else
+        SPECSERVE_AMX_DOTS(0, 1, 2, x + b * kBlock, stride, weights, dots[b % kAmxRing]);
+    }
+    const int64_t f = i - 2 * kAmxLag;
+    if (f >= 0) {
       __m512i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_load_si512(dots[b - b0] + r * kTile);
-      fold_block_avx512<R, kInt4>(acc, dot, w, a, r0, b);
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_load_si512(dots[f % kAmxRing] + r * kTile);
+      fold_block_avx512<R, kInt4>(acc, dot, w, a, r0, f);
     }
   }
   store_rows_avx512<R>(acc, bias, out, ldo);
@@ -577,7 +583,7 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t m = x.size(0);
   const bool automatic = isa < 0;
   isa = resolve_isa(isa);
-  if (automatic && isa == kAmx && m < (int4 ? kAmxMinRowsInt4 : kAmxMinRowsInt8)) isa = kAvx512;
+  if (automatic && isa == kAmx && m < kAmxMinRows) isa = kAvx512;
   // past the first 16 rows AMX reads whole tiles of 16: the last one is padded
   const int64_t rows = isa == kAmx && m > kAmxRows ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
   const auto [q, scale, sum] = quantize_rows_padded(x, isa, rows);
