@@ -1,11 +1,12 @@
 // Attention of short pieces' rows (decode tokens, verification blocks) straight from the paged KV cache.
 //
-// Each (query row, KV head) is one work item: the row's query heads that share the KV head are scored
+// A work item is a KV head and a group of a piece's rows whose key ranges overlap (one row of a decode
+// step, the rows of a verification block): each row's query heads that share the KV head are scored
 // against exactly the keys the row sees, softmaxed in fp32 and applied to the values, reading K/V in place
-// through the block table (no gather copy, no per-row SDPA call). An item's arithmetic is fixed by the row
-// alone (its keys, in position order, the same vector lanes and summation tree whatever the batch or the
-// thread that runs it), so a row's output is bitwise independent of the other rows of the call: the batch
-// invariance greedy speculation needs. The vector code is written once with GCC vector types, for vectors
+// through the block table (no gather copy, no per-row SDPA call), each block of keys once for the whole
+// group. A row's arithmetic is fixed by the row alone (its keys, in position order, the same vector lanes
+// and summation tree whatever its group, the batch or the thread that runs it), so a row's output is
+// bitwise independent of the other rows of the call: the batch invariance greedy speculation needs. The vector code is written once with GCC vector types, for vectors
 // of L floats, and compiled for AVX-512 (L = 16) and for AVX2 (L = 8); a process uses the best its CPU has
 // (so the last bits of a result differ between the two kinds of CPU, never between the rows of a call).
 #include <ATen/Parallel.h>
@@ -54,134 +55,172 @@ SPECSERVE_INLINE Vec<L> sum_lanes(Vec<L>* x) {
 SPECSERVE_INLINE void store(float* p, float x) { *p = x; }
 SPECSERVE_INLINE void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
 
-struct Item {
-  const int64_t* slots;  // flat cache slot of each key the row sees, in position order
-  int64_t keys;
-  int kv_head;
-};
-
 struct Shape {
   int64_t kv_heads, head_dim, value_dim, group;  // group: query heads per KV head
   float scale;
 };
 
-// One (row, KV head): q [group heads, head_dim] (heads `q_head_stride` apart) -> out [group, value_dim].
-// Keys are taken L at a time (8 KiB at head_dim 128 and L = 16, in L1) for all the group's heads, so K and
-// V are read from memory once per item, not once per query head. kChunks / kValueChunks: head_dim / L and
-// value_dim / L when fixed at compile time (registers), else 0.
+// Rows of one piece whose key ranges overlap (a verification block, a draft block), attended together
+// for one KV head: each block of L keys is read once for all of them, not once per row.
+struct Item {
+  const int64_t* slots;  // flat cache slot of each key in the rows' ranges together, in position order
+  int64_t keys;
+  const int64_t* first;  // [rows]: row i sees keys [first[i], end[i]) of those
+  const int64_t* end;
+  const int64_t* q_rows;  // [rows]: row i's query row in q
+  int64_t out_row0, rows;  // its output rows: out_row0 + i
+  int kv_head;
+};
+
+template <typename T>
+struct Operands {
+  const T* q;  // [N, heads, head_dim]
+  int64_t q_row_stride, q_head_stride;
+  const T* k_cache;  // [slots, kv_heads, head_dim]
+  const T* v_cache;  // [slots, kv_heads, value_dim]
+  T* out;            // [R, heads, value_dim]
+};
+
+// One item: the rows' query heads of the KV head -> their outputs. Keys are taken L at a time (8 KiB at
+// head_dim 128 and L = 16, in L1) for all the rows' heads. A row's arithmetic is its own whatever the
+// item: each score is its key's own lane tree, its softmax and its sum of values run over its keys in
+// position order. kChunks / kValueChunks: head_dim / L and value_dim / L when fixed at compile time
+// (registers), else 0.
 template <int L, int kChunks, int kValueChunks, typename T>
-SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const T* q, int64_t q_head_stride,
-                                  const T* k_cache, const T* v_cache, T* out, std::vector<float>& scratch) {
-  const int64_t keys = item.keys, padded = (keys + L - 1) / L * L;
+SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const Operands<T>& t,
+                                  std::vector<float>& scratch) {
+  const int64_t keys = item.keys, padded = (keys + L - 1) / L * L, heads = item.rows * s.group;
   const int64_t chunks = kChunks ? kChunks : s.head_dim / L;
   const int64_t value_chunks = kValueChunks ? kValueChunks : s.value_dim / L;
-  scratch.resize(s.group * (padded + s.value_dim));
-  float* probs = scratch.data();                   // [group, padded]: scores, then exp(score - max)
-  float* sums = scratch.data() + s.group * padded;  // [group, value_dim]: sum of p * v
+  scratch.resize(heads * (padded + s.value_dim + 1));
+  float* probs = scratch.data();                  // [rows, group, padded]: scores, then exp(score - max)
+  float* sums = probs + heads * padded;           // [rows, group, value_dim]: sum of p * v
+  float* inverse_totals = sums + heads * s.value_dim;  // [rows, group]
   auto slot = [&](int64_t j) { return item.slots[j] * s.kv_heads + item.kv_head; };
+  const T *k_cache = t.k_cache, *v_cache = t.v_cache;
   for (int64_t j0 = 0; j0 < padded; j0 += L) {
     // the lanes past the last key score a copy of it (finite, and never used)
     const int64_t valid = std::min<int64_t>(L, keys - j0);
     const T* k[L];
     for (int jj = 0; jj < L; ++jj) k[jj] = k_cache + slot(j0 + std::min<int64_t>(jj, valid - 1)) * s.head_dim;
-    for (int64_t g = 0; g < s.group; ++g) {
-      const T* qh = q + g * q_head_stride;
-      // the L keys' dot products side by side: L independent chains, not one chain per key in turn
-      Vec<L> dots[L];
-      for (int jj = 0; jj < L; ++jj) dots[jj] = load<L>(qh) * load<L>(k[jj]);
-      for (int64_t c = 1; c < chunks; ++c) {
-        const Vec<L> qc = load<L>(qh + c * L);
-        for (int jj = 0; jj < L; ++jj) dots[jj] += qc * load<L>(k[jj] + c * L);
+    for (int64_t i = 0; i < item.rows; ++i) {
+      if (j0 + L <= item.first[i] || j0 >= item.end[i]) continue;
+      for (int64_t g = 0; g < s.group; ++g) {
+        const T* qh = t.q + item.q_rows[i] * t.q_row_stride + (item.kv_head * s.group + g) * t.q_head_stride;
+        // the L keys' dot products side by side: L independent chains, not one chain per key in turn
+        Vec<L> dots[L];
+        for (int jj = 0; jj < L; ++jj) dots[jj] = load<L>(qh) * load<L>(k[jj]);
+        for (int64_t c = 1; c < chunks; ++c) {
+          const Vec<L> qc = load<L>(qh + c * L);
+          for (int jj = 0; jj < L; ++jj) dots[jj] += qc * load<L>(k[jj] + c * L);
+        }
+        const Vec<L> scores = sum_lanes<L>(dots) * splat<L>(s.scale);
+        std::memcpy(probs + (i * s.group + g) * padded + j0, &scores, sizeof scores);
       }
-      const Vec<L> scores = sum_lanes<L>(dots) * splat<L>(s.scale);
-      std::memcpy(probs + g * padded + j0, &scores, sizeof scores);
     }
   }
-  std::vector<float> inverse_totals(s.group);
-  for (int64_t g = 0; g < s.group; ++g) {
-    float* p = probs + g * padded;
-    float top = p[0];
-    for (int64_t j = 1; j < keys; ++j) top = std::max(top, p[j]);
-    for (int64_t j = 0; j < padded; j += L) {
-      const Vec<L> e = exp_nonpositive<L>(load<L>(p + j) - splat<L>(top));
-      std::memcpy(p + j, &e, sizeof e);
+  for (int64_t i = 0; i < item.rows; ++i) {
+    // exp over the L-key blocks that hold the row's keys (lane by lane: the blocks' bounds change nothing)
+    const int64_t first = item.first[i], end = item.end[i], from = first / L * L;
+    for (int64_t g = 0; g < s.group; ++g) {
+      float* p = probs + (i * s.group + g) * padded;
+      float top = p[first];
+      for (int64_t j = first + 1; j < end; ++j) top = std::max(top, p[j]);
+      for (int64_t j = from; j < end; j += L) {
+        const Vec<L> e = exp_nonpositive<L>(load<L>(p + j) - splat<L>(top));
+        std::memcpy(p + j, &e, sizeof e);
+      }
+      float total = 0.f;
+      for (int64_t j = first; j < end; ++j) total += p[j];
+      inverse_totals[i * s.group + g] = 1.f / total;
     }
-    float total = 0.f;
-    for (int64_t j = 0; j < keys; ++j) total += p[j];
-    inverse_totals[g] = 1.f / total;
-    std::fill(sums + g * s.value_dim, sums + (g + 1) * s.value_dim, 0.f);
   }
+  std::fill(sums, sums + heads * s.value_dim, 0.f);
   for (int64_t j0 = 0; j0 < keys; j0 += L) {
     const int64_t j1 = std::min<int64_t>(keys, j0 + L);
-    for (int64_t g = 0; g < s.group; ++g) {
-      float* sum = sums + g * s.value_dim;
-      Vec<L> acc[256 / L];
-      for (int64_t c = 0; c < value_chunks; ++c) acc[c] = load<L>(sum + c * L);
-      for (int64_t j = j0; j < j1; ++j) {
-        const T* v = v_cache + slot(j) * s.value_dim;
-        const Vec<L> p = splat<L>(probs[g * padded + j]);
-        for (int64_t c = 0; c < value_chunks; ++c) acc[c] += p * load<L>(v + c * L);
+    for (int64_t i = 0; i < item.rows; ++i) {
+      const int64_t from = std::max(j0, item.first[i]), to = std::min(j1, item.end[i]);
+      for (int64_t g = 0; g < s.group && from < to; ++g) {
+        float* sum = sums + (i * s.group + g) * s.value_dim;
+        const float* p = probs + (i * s.group + g) * padded;
+        Vec<L> acc[256 / L];
+        for (int64_t c = 0; c < value_chunks; ++c) acc[c] = load<L>(sum + c * L);
+        for (int64_t j = from; j < to; ++j) {
+          const T* v = v_cache + slot(j) * s.value_dim;
+          const Vec<L> pj = splat<L>(p[j]);
+          for (int64_t c = 0; c < value_chunks; ++c) acc[c] += pj * load<L>(v + c * L);
+        }
+        for (int64_t c = 0; c < value_chunks; ++c) std::memcpy(sum + c * L, &acc[c], sizeof acc[c]);
       }
-      for (int64_t c = 0; c < value_chunks; ++c) std::memcpy(sum + c * L, &acc[c], sizeof acc[c]);
     }
   }
-  for (int64_t g = 0; g < s.group; ++g) {
-    T* o = out + g * s.value_dim;
-    const float* sum = sums + g * s.value_dim;
-    for (int64_t i = 0; i < s.value_dim; ++i) store(o + i, sum[i] * inverse_totals[g]);
-  }
+  for (int64_t i = 0; i < item.rows; ++i)
+    for (int64_t g = 0; g < s.group; ++g) {
+      T* o = t.out + ((item.out_row0 + i) * s.kv_heads * s.group + item.kv_head * s.group + g) * s.value_dim;
+      const float* sum = sums + (i * s.group + g) * s.value_dim;
+      const float inverse_total = inverse_totals[i * s.group + g];
+      for (int64_t d = 0; d < s.value_dim; ++d) store(o + d, sum[d] * inverse_total);
+    }
 }
 
 // The common head sizes (64, 128, 256, keys and values alike) with their loops unrolled.
 template <int L, typename T>
-SPECSERVE_INLINE void attend_item_any(const Item& i, const Shape& s, const T* q, int64_t qs, const T* k,
-                                      const T* v, T* o, std::vector<float>& p) {
+SPECSERVE_INLINE void attend_item_any(const Item& i, const Shape& s, const Operands<T>& t,
+                                      std::vector<float>& p) {
   if (s.head_dim == s.value_dim && s.head_dim == 64)
-    attend_item<L, 64 / L, 64 / L>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 64 / L, 64 / L>(i, s, t, p);
   else if (s.head_dim == s.value_dim && s.head_dim == 128)
-    attend_item<L, 128 / L, 128 / L>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 128 / L, 128 / L>(i, s, t, p);
   else if (s.head_dim == s.value_dim && s.head_dim == 256)
-    attend_item<L, 256 / L, 256 / L>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 256 / L, 256 / L>(i, s, t, p);
   else
-    attend_item<L, 0, 0>(i, s, q, qs, k, v, o, p);
+    attend_item<L, 0, 0>(i, s, t, p);
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) void attend_item_avx512(const Item& i, const Shape& s, const T* q,
-                                                            int64_t qs, const T* k, const T* v, T* o,
+__attribute__((target("avx512f"))) void attend_item_avx512(const Item& i, const Shape& s, const Operands<T>& t,
                                                             std::vector<float>& p) {
-  attend_item_any<16>(i, s, q, qs, k, v, o, p);
+  attend_item_any<16>(i, s, t, p);
 }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void attend_item_avx2(const Item& i, const Shape& s, const T* q,
-                                                          int64_t qs, const T* k, const T* v, T* o,
+__attribute__((target("avx2,fma"))) void attend_item_avx2(const Item& i, const Shape& s, const Operands<T>& t,
                                                           std::vector<float>& p) {
-  attend_item_any<8>(i, s, q, qs, k, v, o, p);
+  attend_item_any<8>(i, s, t, p);
 }
 
+constexpr int64_t kMaxGroupRows = 16;
+
+// The call's rows in groups (one item per group and KV head).
+struct Groups {
+  std::vector<int64_t> slots, key_start{0};  // each group's keys' flat slots: slots[key_start[g]:key_start[g + 1]]
+  std::vector<int64_t> first, end;           // each row's keys among its group's
+  std::vector<int64_t> row_start{0};         // group g: rows row_start[g] .. row_start[g + 1] - 1
+};
+
 template <typename T>
-void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const std::vector<int64_t>& slots, const std::vector<int64_t>& key_start,
+void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Groups& groups,
                  const int64_t* rows, const Shape& s, at::Tensor& out) {
   static const bool avx512 = has_avx512();
-  const int64_t num_rows = out.size(0), heads = s.kv_heads * s.group;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, num_rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs;
+  const Operands<T> t{q.data_ptr<T>(), q.stride(0), q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                      out.data_ptr<T>()};
+  const int64_t num_groups = static_cast<int64_t>(groups.row_start.size()) - 1;
+  at::parallel_for(0, num_groups * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / s.kv_heads;
-      const int kv_head = static_cast<int>(w % s.kv_heads);
-      const Item item{slots.data() + key_start[r], key_start[r + 1] - key_start[r], kv_head};
-      const T* qh = qp + rows[r] * q.stride(0) + kv_head * s.group * q.stride(1);
-      T* o = op + (r * heads + kv_head * s.group) * s.value_dim;
+      const int64_t g = w / s.kv_heads, row0 = groups.row_start[g];
+      const Item item{groups.slots.data() + groups.key_start[g],
+                      groups.key_start[g + 1] - groups.key_start[g],
+                      groups.first.data() + row0,
+                      groups.end.data() + row0,
+                      rows + row0,
+                      row0,
+                      groups.row_start[g + 1] - row0,
+                      static_cast<int>(w % s.kv_heads)};
       if (avx512)
-        attend_item_avx512(item, s, qh, q.stride(1), kp, vp, o, probs);
+        attend_item_avx512(item, s, t, scratch);
       else
-        attend_item_avx2(item, s, qh, q.stride(1), kp, vp, o, probs);
+        attend_item_avx2(item, s, t, scratch);
     }
   });
 }
@@ -216,28 +255,55 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t *row_p = rows.data_ptr<int64_t>(), *table_p = tables.data_ptr<int64_t>();
   const int64_t *piece_p = pieces.data_ptr<int64_t>(), *pos_p = positions.data_ptr<int64_t>();
   const int64_t* end_p = key_ends.data_ptr<int64_t>();
-  // every key's flat slot, row after row (checked here, so the parallel part reads only valid memory)
-  std::vector<int64_t> slots, key_start{0};
+  // Consecutive rows of one piece whose key ranges overlap or touch form a group, up to rows_per_group
+  // rows: as large as keeps every thread busy (one item per group and KV head). Each key of a group's
+  // range is some row's, checked here, so the parallel part reads only valid memory.
+  const int64_t threads = at::get_num_threads();
+  const int64_t rows_per_group = std::clamp<int64_t>(num_rows * kv_heads / threads, 1, kMaxGroupRows);
+  Groups groups;
+  int64_t group_first = 0, group_end = 0, group_piece = -1;  // the open group's key positions and piece
+  std::vector<int64_t> firsts(num_rows), ends(num_rows);
+  auto close_group = [&](int64_t next_row) {
+    const int64_t* table = table_p + group_piece * width;
+    for (int64_t pos = group_first; pos < group_end; ++pos) {
+      const int64_t block = table[pos / block_size];
+      TORCH_CHECK(block >= 0 && block < blocks, "block ", block, " is not in the cache");
+      groups.slots.push_back(block * block_size + pos % block_size);
+    }
+    groups.key_start.push_back(static_cast<int64_t>(groups.slots.size()));
+    for (int64_t r = groups.row_start.back(); r < next_row; ++r) {
+      groups.first.push_back(firsts[r] - group_first);
+      groups.end.push_back(ends[r] - group_first);
+    }
+    groups.row_start.push_back(next_row);
+  };
   for (int64_t r = 0; r < num_rows; ++r) {
     TORCH_CHECK(row_p[r] >= 0 && row_p[r] < q.size(0), "row ", row_p[r], " is not a row of q");
     TORCH_CHECK(piece_p[r] >= 0 && piece_p[r] < tables.size(0), "row ", r, ": no block table ", piece_p[r]);
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos_p[r] + 1 - window) : 0, last = end_p[r];
     TORCH_CHECK(first < last && last <= width * block_size, "row ", r, ": keys [", first, ", ", last,
                 ") outside its block table");
-    const int64_t* table = table_p + piece_p[r] * width;
-    for (int64_t pos = first; pos < last; ++pos) {
-      const int64_t block = table[pos / block_size];
-      TORCH_CHECK(block >= 0 && block < blocks, "block ", block, " is not in the cache");
-      slots.push_back(block * block_size + pos % block_size);
+    firsts[r] = first;
+    ends[r] = last;
+    const bool joins = r > 0 && piece_p[r] == group_piece && first <= group_end && last >= group_first &&
+                       r - groups.row_start.back() < rows_per_group;
+    if (joins) {
+      group_first = std::min(group_first, first);
+      group_end = std::max(group_end, last);
+      continue;
     }
-    key_start.push_back(static_cast<int64_t>(slots.size()));
+    if (r > 0) close_group(r);
+    group_first = first;
+    group_end = last;
+    group_piece = piece_p[r];
   }
+  if (num_rows > 0) close_group(num_rows);
   at::Tensor out = at::empty({num_rows, heads, value_dim}, q.options());
   const Shape shape{kv_heads, head_dim, value_dim, heads / kv_heads, static_cast<float>(scale)};
   if (q.scalar_type() == at::kFloat)
-    attend_rows<float>(q, k_cache, v_cache, slots, key_start, row_p, shape, out);
+    attend_rows<float>(q, k_cache, v_cache, groups, row_p, shape, out);
   else
-    attend_rows<c10::BFloat16>(q, k_cache, v_cache, slots, key_start, row_p, shape, out);
+    attend_rows<c10::BFloat16>(q, k_cache, v_cache, groups, row_p, shape, out);
   return out;
 }
 
