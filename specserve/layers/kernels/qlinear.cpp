@@ -81,7 +81,11 @@ struct Acts {
   const int8_t* q;
   const float* scale;  // max|x| / 127
   const float* sum;    // scale * sum of the block's codes (for the int4 minimum)
-  int64_t nb;
+  int64_t nb, m;
+  // AMX: scale and sum again, block-major ([b * m + r]): a block's rows side by side, at fixed offsets
+  // from one pointer (row-major, gcc spent a register chain through the stack on the rows' indices)
+  const float* scale_by_block = nullptr;
+  const float* sum_by_block = nullptr;
 };
 
 constexpr int64_t kGroupsPerSuper = 8;  // int4 groups that share one d, dmin
@@ -289,7 +293,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Weights& w, const 
 
 // Block b's exact int32 dot products (R rows x 16 outputs) into the fp32 accumulators: the float steps
 // of both 512-bit paths, instruction for instruction.
-template <int R, bool kInt4>
+// kBlockMajor: the rows' scales and sums from a.scale_by_block / a.sum_by_block (AMX).
+template <int R, bool kInt4, bool kBlockMajor = false>
 __attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512* acc, const __m512i* dot,
                                                                          const Weights& w, const Acts& a,
                                                                          int64_t r0, int64_t b) {
@@ -307,6 +312,17 @@ __attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512
     ws = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + (b >> w.gshift) * kTile)));
   }
+  // the same steps either way; only where a row's scale and sum are read from differs
+  if constexpr (kBlockMajor) {
+    const float *scale = a.scale_by_block + b * a.m + r0, *sum = a.sum_by_block + b * a.m + r0;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(scale[r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+      if (kInt4) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum[r]), acc[r]);
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     const int64_t i = (r0 + r) * a.nb + b;
     const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[i]));
@@ -318,6 +334,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512
 template <int R>
 __attribute__((target("avx512f"))) inline void store_rows_avx512(const __m512* acc, const float* bias,
                                                                 float* out, int64_t ldo) {
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     __m512 y = acc[r];
     if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
@@ -425,7 +442,8 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(cons
   alignas(64) uint8_t unpacked[kAmxRing][kBlock * kTile];
   alignas(64) int32_t dots[kAmxRing][kAmxRows * kTile];
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
+  __m512 acc[R];  // in registers only if gcc unrolls the row loops before it places them: hence the pragmas
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t stride = a.nb * kBlock;
   const int8_t* x = a.q + r0 * stride;
@@ -451,8 +469,9 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(cons
     const int64_t f = i - 2 * kAmxLag;
     if (f >= 0) {
       __m512i dot[R];
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) dot[r] = _mm512_load_si512(dots[f % kAmxRing] + r * kTile);
-      fold_block_avx512<R, kInt4>(acc, dot, w, a, r0, f);
+      fold_block_avx512<R, kInt4, true>(acc, dot, w, a, r0, f);
     }
   }
   store_rows_avx512<R>(acc, bias, out, ldo);
@@ -589,7 +608,14 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   const auto [q, scale, sum] = quantize_rows_padded(x, isa, rows);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock};
+  Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock, m};
+  at::Tensor scale_by_block, sum_by_block;
+  if (isa == kAmx) {
+    scale_by_block = scale.t().contiguous();
+    sum_by_block = sum.t().contiguous();
+    acts.scale_by_block = scale_by_block.data_ptr<float>();
+    acts.sum_by_block = sum_by_block.data_ptr<float>();
+  }
   const int gshift = __builtin_ctzll(per_group);
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* sp = static_cast<const uint8_t*>(scales.data_ptr());
