@@ -6,9 +6,10 @@
 // through the block table (no gather copy, no per-row SDPA call), each block of keys once for the whole
 // group. A row's arithmetic is fixed by the row alone (its keys, in position order, the same vector lanes
 // and summation tree whatever its group, the batch or the thread that runs it), so a row's output is
-// bitwise independent of the other rows of the call: the batch invariance greedy speculation needs. The vector code is written once with GCC vector types, for vectors
-// of L floats, and compiled for AVX-512 (L = 16) and for AVX2 (L = 8); a process uses the best its CPU has
-// (so the last bits of a result differ between the two kinds of CPU, never between the rows of a call).
+// bitwise independent of the other rows of the call: the batch invariance greedy speculation needs. The
+// vector code is written once with GCC vector types, for vectors of L floats, and compiled for AVX-512
+// (L = 16) and for AVX2 (L = 8); a process uses the best its CPU has (so the last bits of a result differ
+// between the two kinds of CPU, never between the rows of a call).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -76,16 +76,14 @@ int64_t best_isa() {
   return best;
 }
 
-// One call's activations: row r's block b at [r * nb + b]; its codes at q + (r * nb + b) * 32.
+// One call's activations: row r's codes of block b at q + (r * nb + b) * 32, its scale and sum at
+// [r * nb + b], or block-major at [b * m + r] on the AMX path: a block's rows side by side, at fixed
+// offsets from one pointer (row-major, gcc spent a register chain through the stack on the rows' indices).
 struct Acts {
   const int8_t* q;
   const float* scale;  // max|x| / 127
   const float* sum;    // scale * sum of the block's codes (for the int4 minimum)
   int64_t nb, m;
-  // AMX: scale and sum again, block-major ([b * m + r]): a block's rows side by side, at fixed offsets
-  // from one pointer (row-major, gcc spent a register chain through the stack on the rows' indices)
-  const float* scale_by_block = nullptr;
-  const float* sum_by_block = nullptr;
 };
 
 constexpr int64_t kGroupsPerSuper = 8;  // int4 groups that share one d, dmin
@@ -293,7 +291,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Weights& w, const 
 
 // Block b's exact int32 dot products (R rows x 16 outputs) into the fp32 accumulators: the float steps
 // of both 512-bit paths, instruction for instruction.
-// kBlockMajor: the rows' scales and sums from a.scale_by_block / a.sum_by_block (AMX).
+// kBlockMajor: the activations' scales and sums are block-major (AMX).
 template <int R, bool kInt4, bool kBlockMajor = false>
 __attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512* acc, const __m512i* dot,
                                                                          const Weights& w, const Acts& a,
@@ -314,7 +312,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void fold_block_avx512(__m512
   }
   // the same steps either way; only where a row's scale and sum are read from differs
   if constexpr (kBlockMajor) {
-    const float *scale = a.scale_by_block + b * a.m + r0, *sum = a.sum_by_block + b * a.m + r0;
+    const float *scale = a.scale + b * a.m + r0, *sum = a.sum + b * a.m + r0;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(scale[r]));
@@ -544,9 +542,10 @@ int64_t resolve_isa(int64_t isa) {
   return isa < 0 ? best : isa;
 }
 
-// The codes get `rows` >= M rows, zeros past M (AMX reads whole tiles of rows); scales and sums M.
+// The codes get `rows` >= M rows, zeros past M (AMX reads whole tiles of rows); scales and sums M, laid
+// out block-major if asked (Acts; returned as [M, nb] views either way).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_padded(const at::Tensor& x, int64_t isa,
-                                                                   int64_t rows) {
+                                                                   int64_t rows, bool block_major) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous fp32 [M, K]");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
@@ -554,21 +553,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_padded(const at::Te
   const int64_t m = x.size(0), nb = x.size(1) / kBlock;
   at::Tensor q = at::empty({rows, nb * kBlock}, x.options().dtype(at::kChar));
   if (rows > m) q.narrow(0, m, rows - m).zero_();
-  at::Tensor scale = at::empty({m, nb}, x.options()), sum = at::empty({m, nb}, x.options());
+  const auto shape = block_major ? std::vector<int64_t>{nb, m} : std::vector<int64_t>{m, nb};
+  at::Tensor scale = at::empty(shape, x.options()), sum = at::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float *sp = scale.data_ptr<float>(), *up = sum.data_ptr<float>();
   for (int64_t i = 0; i < m * nb; ++i) {
+    const int64_t j = block_major ? i % nb * m + i / nb : i;  // block i % nb of row i / nb
     if (isa == kScalar)
-      quantize_block_scalar(xp + i * kBlock, qp + i * kBlock, sp + i, up + i);
+      quantize_block_scalar(xp + i * kBlock, qp + i * kBlock, sp + j, up + j);
     else
-      quantize_block_avx2(xp + i * kBlock, qp + i * kBlock, sp + i, up + i);
+      quantize_block_avx2(xp + i * kBlock, qp + i * kBlock, sp + j, up + j);
   }
+  if (block_major) return {q, scale.t(), sum.t()};
   return {q, scale, sum};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t isa) {
-  return quantize_rows_padded(x, isa, x.size(0));
+  return quantize_rows_padded(x, isa, x.size(0), false);
 }
 
 // int4: `scales` is the groups' bytes (uint8 [N/16, K/G, 32]) and `supers` d, dmin (fp16 [N/16, S, 32]);
@@ -605,17 +607,10 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   if (automatic && isa == kAmx && m < kAmxMinRows) isa = kAvx512;
   // past the first 16 rows AMX reads whole tiles of 16: the last one is padded
   const int64_t rows = isa == kAmx && m > kAmxRows ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
-  const auto [q, scale, sum] = quantize_rows_padded(x, isa, rows);
+  const auto [q, scale, sum] = quantize_rows_padded(x, isa, rows, isa == kAmx);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock, m};
-  at::Tensor scale_by_block, sum_by_block;
-  if (isa == kAmx) {
-    scale_by_block = scale.t().contiguous();
-    sum_by_block = sum.t().contiguous();
-    acts.scale_by_block = scale_by_block.data_ptr<float>();
-    acts.sum_by_block = sum_by_block.data_ptr<float>();
-  }
+  const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock, m};
   const int gshift = __builtin_ctzll(per_group);
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* sp = static_cast<const uint8_t*>(scales.data_ptr());
