@@ -226,6 +226,17 @@ def test_penalties_hand_made():
     assert sample(logits, batch).token_ids.tolist() == [0, 3]  # ties (1.0, 1.0) -> lowest id
 
 
+def test_a_vanishing_repetition_penalty_keeps_logits_finite():
+    """5e-324 is > 0 as the client's float but 0 in fp32: the boosted logits stay finite, and top-k and
+    top-p beside them still give a proper distribution (an inf there made the row's softmax NaN)."""
+    logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 0.5]])
+    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.9, repetition_penalty=5e-324)]
+    batch = _batch(params, 5, [[1, 2]], [[]], generator=torch.Generator().manual_seed(0))
+    lp = processed_logprobs(logits, batch)
+    assert not lp.isnan().any()
+    assert sample(logits, batch).token_ids.tolist() == [1]  # the boosted positive logit
+
+
 def test_presence_and_frequency_ignore_prompt_tokens():
     logits = torch.zeros(1, 4)
     params = [SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=1.0)]

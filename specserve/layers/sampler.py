@@ -203,7 +203,10 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
     assert batch.pen_rows is not None and batch.pen_ids is not None
     v = x[batch.pen_rows, batch.pen_ids]
     v = torch.where(v > 0, v / batch.pen_rep, v * batch.pen_rep) - batch.pen_offset
-    x[batch.pen_rows, batch.pen_ids] = v
+    # a tiny penalty (positive as the client's float64, 0 in fp32) must not make a logit infinite: an
+    # inf beside the masks of top-k / grammars turns the row's softmax into NaN
+    finite = torch.finfo(v.dtype).max
+    x[batch.pen_rows, batch.pen_ids] = v.clamp(-finite, finite)
 
 
 def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

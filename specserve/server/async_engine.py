@@ -405,6 +405,9 @@ class AsyncEngine:
             return
         if output.finished:
             del self._live[output.request_id]
+        if output.error is not None:  # the engine ended it with finish_reason "error": an HTTP 500
+            live.stream.push(RequestFailed(output.error))
+            return
         completion = output.outputs[0]
         self._stats_window.generated_tokens += len(completion.delta_token_ids or [])
         # A copy (total of one): this thread goes on counting while the handler reads it.
