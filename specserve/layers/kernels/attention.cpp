@@ -53,6 +53,36 @@ SPECSERVE_INLINE Vec<L> sum_lanes(Vec<L>* x) {
     return sum_lanes<L, kWidth / 2>(x);
 }
 
+// The largest of x[0..n), n >= 1 (exact in any order).
+template <int L>
+SPECSERVE_INLINE float max_of(const float* x, int64_t n) {
+  Vec<L> top = splat<L>(x[0]);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const Vec<L> v = load<L>(x + j);
+    top = v > top ? v : top;
+  }
+  float m = x[0];
+  for (int l = 0; l < L; ++l) m = std::max(m, top[l]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// The sum of x[0..n) in a fixed order, lane l taking x[l], x[l + L], ..., then the lanes in turn: a
+// function of the values alone (as a row's softmax total must be), and L chains instead of one.
+template <int L>
+SPECSERVE_INLINE float sum_of(const float* x, int64_t n) {
+  Vec<L> lanes{};
+  int64_t j = 0;
+  for (; j + L <= n; j += L) lanes += load<L>(x + j);
+  Vec<L> tail{};
+  for (int l = 0; j + l < n; ++l) tail[l] = x[j + l];
+  lanes += tail;
+  float total = 0.f;
+  for (int l = 0; l < L; ++l) total += lanes[l];
+  return total;
+}
+
 SPECSERVE_INLINE void store(float* p, float x) { *p = x; }
 SPECSERVE_INLINE void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
 
@@ -113,7 +143,7 @@ SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const Operan
         for (int jj = 0; jj < L; ++jj) dots[jj] = load<L>(qh) * load<L>(k[jj]);
         for (int64_t c = 1; c < chunks; ++c) {
           const Vec<L> qc = load<L>(qh + c * L);
-          for (int jj = 0; jj < L; ++jj) dots[jj] += qc * load<L>(k[jj] + c * L);
+          for (int jj = 0; jj < L; ++jj) dots[jj] = fma(qc, load<L>(k[jj] + c * L), dots[jj]);
         }
         const Vec<L> scores = sum_lanes<L>(dots) * splat<L>(s.scale);
         std::memcpy(probs + (i * s.group + g) * padded + j0, &scores, sizeof scores);
@@ -125,15 +155,12 @@ SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const Operan
     const int64_t first = item.first[i], end = item.end[i], from = first / L * L;
     for (int64_t g = 0; g < s.group; ++g) {
       float* p = probs + (i * s.group + g) * padded;
-      float top = p[first];
-      for (int64_t j = first + 1; j < end; ++j) top = std::max(top, p[j]);
+      const float top = max_of<L>(p + first, end - first);
       for (int64_t j = from; j < end; j += L) {
         const Vec<L> e = exp_nonpositive<L>(load<L>(p + j) - splat<L>(top));
         std::memcpy(p + j, &e, sizeof e);
       }
-      float total = 0.f;
-      for (int64_t j = first; j < end; ++j) total += p[j];
-      inverse_totals[i * s.group + g] = 1.f / total;
+      inverse_totals[i * s.group + g] = 1.f / sum_of<L>(p + first, end - first);
     }
   }
   std::fill(sums, sums + heads * s.value_dim, 0.f);
@@ -149,7 +176,7 @@ SPECSERVE_INLINE void attend_item(const Item& item, const Shape& s, const Operan
         for (int64_t j = from; j < to; ++j) {
           const T* v = v_cache + slot(j) * s.value_dim;
           const Vec<L> pj = splat<L>(p[j]);
-          for (int64_t c = 0; c < value_chunks; ++c) acc[c] += pj * load<L>(v + c * L);
+          for (int64_t c = 0; c < value_chunks; ++c) acc[c] = fma(pj, load<L>(v + c * L), acc[c]);
         }
         for (int64_t c = 0; c < value_chunks; ++c) std::memcpy(sum + c * L, &acc[c], sizeof acc[c]);
       }
@@ -179,13 +206,13 @@ SPECSERVE_INLINE void attend_item_any(const Item& i, const Shape& s, const Opera
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) void attend_item_avx512(const Item& i, const Shape& s, const Operands<T>& t,
+__attribute__((target("avx512f"), flatten)) void attend_item_avx512(const Item& i, const Shape& s, const Operands<T>& t,
                                                             std::vector<float>& p) {
   attend_item_any<16>(i, s, t, p);
 }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void attend_item_avx2(const Item& i, const Shape& s, const Operands<T>& t,
+__attribute__((target("avx2,fma"), flatten)) void attend_item_avx2(const Item& i, const Shape& s, const Operands<T>& t,
                                                           std::vector<float>& p) {
   attend_item_any<8>(i, s, t, p);
 }

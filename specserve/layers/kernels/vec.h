@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -43,6 +44,16 @@ SPECSERVE_INLINE Vec<L> load(const c10::BFloat16* p) {  // bf16 is the top half 
   Vec<L> v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+}
+
+// a * b + c rounded once. The kernels build with -ffp-contract=off (no fused multiply-add but the written
+// ones, so every path rounds alike); a multiply-add loop wants them. Not always_inline: a generic caller
+// (a template for any L) gets them inlined by `flatten` on its target-specific entry point.
+__attribute__((target("avx512f"))) inline Vec<16> fma(Vec<16> a, Vec<16> b, Vec<16> c) {
+  return (Vec<16>)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+__attribute__((target("avx2,fma"))) inline Vec<8> fma(Vec<8> a, Vec<8> b, Vec<8> c) {
+  return (Vec<8>)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), within 2 ulp; below -87 it is ~1e-38, not 0.
