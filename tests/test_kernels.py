@@ -28,7 +28,8 @@ from specserve.layers.quant import (
 ops = kernels.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="specserve's kernels are not built here")
 ISAS = list(range(ops.best_isa() + 1)) if ops is not None else []  # 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX
-SHAPES = [(64, 16, 32), (320, 48, 32), (256, 32, 64), (512, 16, 128)]  # (K, N, group size)
+# (K, N, group size); from 8 rows at K = 2304 AMX takes the output tiles two by two (activations past L1)
+SHAPES = [(64, 16, 32), (320, 48, 32), (256, 32, 64), (512, 16, 128), (2304, 48, 32)]
 
 
 def quantize_rows_reference(x: torch.Tensor):
@@ -130,17 +131,18 @@ def test_the_kernel_runs_on_torch_s_threads(torch_threads):
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_outputs_do_not_depend_on_the_thread_count(mode, torch_threads):
-    k, n, group = 512, 16 * 37, 64  # enough output tiles for every thread to take some
+    k, n, group = 4096, 16 * 37, 64  # enough output tiles for every thread to take some; AMX pairs them
     weights = (random_int4(n, k, group),) if mode == "int4" else random_int8(n, k, group)
     call = (int4_call if mode == "int4" else int8_call)(*weights, torch.randn(n))
     x = inputs(9, k)
     torch.set_num_threads(1)
     for isa in ISAS:
-        alone = call(x, isa)
-        for threads in (2, 3):
-            torch.set_num_threads(threads)
-            assert torch.equal(call(x, isa), alone), f"path {isa}, {threads} threads"
-        torch.set_num_threads(1)
+        for m in (5, 9):  # AMX takes output tiles two by two up to 8 rows (odd ones alone), one by one past
+            alone = call(x[:m], isa)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(call(x[:m], isa), alone), f"path {isa}, M = {m}, {threads} threads"
+            torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("k,n,group", SHAPES)

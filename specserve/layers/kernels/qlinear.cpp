@@ -388,9 +388,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
 // Intel AMX (Sapphire Rapids on): one tile multiply gives a block's exact int32 dot products for up to 16
 // rows x 16 columns (VNNI needs 8 instructions per row); the dot products go through memory to the AVX-512
 // path's float steps (fold_block_avx512), so the bits are the same. Two sets of tiles take alternate
-// blocks, so one block's multiply can overlap the next one's loads: tiles 3s = activations [rows, 32]
-// int8, 3s + 1 = a block of weights [8, 64] (4 inputs of 16 columns a line: the codes' own layout, int4
-// unpacked to bytes), 3s + 2 = the dot products [rows, 16] int32.
+// blocks, so one block's multiply can overlap the next one's loads: tile s = a block's activations
+// [rows, 32] int8 (set s), 2 and 3 = blocks of weights [8, 64] (4 inputs of 16 columns a line: the codes'
+// own layout, int4 unpacked to bytes), 4 to 7 = dot products [rows, 16] int32. Up to 8 rows, a call
+// may take two weight tiles (32 columns) at once, each block's activations loaded once for both: a down
+// projection's (8 x 8960 int8) do not fit in L1, and its 8-row calls took 495 -> 414 us on Sapphire Rapids;
+// where they fit (8 x 1536) one tile a call was a few % faster.
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -400,23 +403,20 @@ struct alignas(64) TileConfig {
 
 void amx_configure(int rows) {
   TileConfig c;
-  for (int set = 0; set < 2; ++set) {
-    c.rows[3 * set] = rows, c.colsb[3 * set] = kBlock;
-    c.rows[3 * set + 1] = kBlock / 4, c.colsb[3 * set + 1] = 64;
-    c.rows[3 * set + 2] = rows, c.colsb[3 * set + 2] = kTile * 4;
-  }
+  for (int t = 0; t < 2; ++t) c.rows[t] = rows, c.colsb[t] = kBlock;  // activations
+  for (int t = 2; t < 4; ++t) c.rows[t] = kBlock / 4, c.colsb[t] = 64;  // weights
+  for (int t = 4; t < 8; ++t) c.rows[t] = rows, c.colsb[t] = kTile * 4;  // dot products
   // not _tile_loadconfig: gcc 12 does not see that it reads the struct and drops the stores above
   asm volatile("ldtilecfg %0" : : "m"(c));
 }
 
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
-// A block's dot products into `dots` on tiles X (activations), W (weights), D (dot products). gcc 12's
-// tile intrinsics paste their tile numbers into the assembly text (literals only), hence a macro.
-#define SPECSERVE_AMX_DOTS(X, W, D, x, stride, weights, dots)            \
+// A block's dot products into `dots` on tiles X (activations, loaded), W (weights), D (dot products).
+// gcc 12's tile intrinsics paste their tile numbers into the assembly text (literals only), hence a macro.
+#define SPECSERVE_AMX_DOT(X, W, D, weights, dots)                       \
   do {                                                                  \
     _tile_zero(D);                                                      \
-    _tile_loadd(X, x, stride);                                          \
     _tile_loadd(W, weights, 64);                                        \
     if (kInt4)                                                          \
       _tile_dpbsud(D, X, W); /* signed activations x unsigned codes */ \
@@ -431,77 +431,107 @@ __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 constexpr int64_t kAmxLag = 2, kAmxRing = 4;  // ring slots > lag
 
 // The configured tile rows (>= R) of activations are read from row r0 on (the caller pads past M with
-// zero rows); R of them are finished.
-template <int R, bool kInt4>
-__attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(const Weights& w,
+// zero rows); R of them are finished, for kCols weight tiles side by side (w[0], w[1]: outputs
+// out, out + 16).
+template <int R, bool kInt4, int kCols>
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) void tile_amx(const Weights* w,
                                                                           const Acts& a, int64_t r0,
                                                                           const float* bias, float* out,
                                                                           int64_t ldo) {
-  alignas(64) uint8_t unpacked[kAmxRing][kBlock * kTile];
-  alignas(64) int32_t dots[kAmxRing][kAmxRows * kTile];
+  alignas(64) uint8_t unpacked[kAmxRing][kCols][kBlock * kTile];
+  alignas(64) int32_t dots[kAmxRing][kCols][kAmxRows * kTile];
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];  // in registers only if gcc unrolls the row loops before it places them: hence the pragmas
+  // in registers only if gcc unrolls the loops before it places them: hence the pragmas
+  __m512 acc[kCols][R];
+#pragma GCC unroll 2
+  for (int c = 0; c < kCols; ++c)
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   const int64_t stride = a.nb * kBlock;
   const int8_t* x = a.q + r0 * stride;
   for (int64_t i = 0; i < a.nb + 2 * kAmxLag; ++i) {
     if (kInt4 && i < a.nb) {  // line l -> quads 2l (low nibbles), 2l + 1 (high)
-      uint8_t* to = unpacked[i % kAmxRing];
-      const uint8_t* line = w.codes + 4 * i * 64;
-      prefetch_lines(line + kPrefetchBytes, 4);
-      for (int l = 0; l < 4; ++l) {
-        const __m512i v = _mm512_loadu_si512(line + 64 * l);
-        _mm512_store_si512(to + 128 * l, _mm512_and_si512(v, nibble));
-        _mm512_store_si512(to + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+#pragma GCC unroll 2
+      for (int c = 0; c < kCols; ++c) {
+        uint8_t* to = unpacked[i % kAmxRing][c];
+        const uint8_t* line = w[c].codes + 4 * i * 64;
+        prefetch_lines(line + kPrefetchBytes, 4);
+        for (int l = 0; l < 4; ++l) {
+          const __m512i v = _mm512_loadu_si512(line + 64 * l);
+          _mm512_store_si512(to + 128 * l, _mm512_and_si512(v, nibble));
+          _mm512_store_si512(to + 128 * l + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+        }
       }
     }
     const int64_t b = i - kAmxLag;
     if (b >= 0 && b < a.nb) {
-      const uint8_t* weights = kInt4 ? unpacked[b % kAmxRing] : w.codes + b * kBlock * kTile;
-      if (b & 1)
-        SPECSERVE_AMX_DOTS(3, 4, 5, x + b * kBlock, stride, weights, dots[b % kAmxRing]);
-      else
-        SPECSERVE_AMX_DOTS(0, 1, 2, x + b * kBlock, stride, weights, dots[b % kAmxRing]);
+      const int64_t slot = b % kAmxRing;
+      auto weights = [&](int c) { return kInt4 ? unpacked[slot][c] : w[c].codes + b * kBlock * kTile; };
+      if (b & 1) {
+        _tile_loadd(1, x + b * kBlock, stride);
+        SPECSERVE_AMX_DOT(1, 3, 5, weights(0), dots[slot][0]);
+        if (kCols == 2) SPECSERVE_AMX_DOT(1, 2, 7, weights(1), dots[slot][1]);
+      } else {
+        _tile_loadd(0, x + b * kBlock, stride);
+        SPECSERVE_AMX_DOT(0, 2, 4, weights(0), dots[slot][0]);
+        if (kCols == 2) SPECSERVE_AMX_DOT(0, 3, 6, weights(1), dots[slot][1]);
+      }
     }
     const int64_t f = i - 2 * kAmxLag;
     if (f >= 0) {
-      __m512i dot[R];
+#pragma GCC unroll 2
+      for (int c = 0; c < kCols; ++c) {
+        __m512i dot[R];
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_load_si512(dots[f % kAmxRing] + r * kTile);
-      fold_block_avx512<R, kInt4, true>(acc, dot, w, a, r0, f);
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_load_si512(dots[f % kAmxRing][c] + r * kTile);
+        fold_block_avx512<R, kInt4, true>(acc[c], dot, w[c], a, r0, f);
+      }
     }
   }
-  store_rows_avx512<R>(acc, bias, out, ldo);
+#pragma GCC unroll 2
+  for (int c = 0; c < kCols; ++c)
+    store_rows_avx512<R>(acc[c], bias ? bias + c * kTile : nullptr, out + c * kTile, ldo);
 }
 
+constexpr int kAmxPairRows = 8;           // up to this many rows, two weight tiles a call (registers)
+constexpr int64_t kPairFromBytes = 16384;  // of int8 activations a call: L1 holds them up to ~this
+
+// `tiles` (1 or 2) weight tiles side by side, for all rows.
 template <bool kInt4>
-void rows_of_tile_amx(const Weights& w, const Acts& a, int64_t rows, const float* bias, float* out,
-                      int64_t ldo) {
+void rows_of_tiles_amx(const Weights* w, int tiles, const Acts& a, int64_t rows, const float* bias,
+                       float* out, int64_t ldo) {
   for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
-    float* o = out + r0 * ldo;
-    switch (std::min<int64_t>(kAmxRows, rows - r0)) {
-#define SPECSERVE_TILE(R)                       \
-  case R:                                       \
-    tile_amx<R, kInt4>(w, a, r0, bias, o, ldo); \
+    const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r0));
+    const bool pair = tiles == 2 && n <= kAmxPairRows;
+    for (int c = 0; c < tiles; c += pair ? 2 : 1) {
+      const float* b = bias ? bias + c * kTile : nullptr;
+      float* o = out + r0 * ldo + c * kTile;
+      switch (n) {
+#define SPECSERVE_TILE(R)                                                 \
+  case R:                                                                 \
+    if (R <= kAmxPairRows && pair)                                        \
+      tile_amx<R, kInt4, R <= kAmxPairRows ? 2 : 1>(w, a, r0, b, o, ldo); \
+    else                                                                  \
+      tile_amx<R, kInt4, 1>(w + c, a, r0, b, o, ldo);                     \
     break;
-      SPECSERVE_TILE(1)
-      SPECSERVE_TILE(2)
-      SPECSERVE_TILE(3)
-      SPECSERVE_TILE(4)
-      SPECSERVE_TILE(5)
-      SPECSERVE_TILE(6)
-      SPECSERVE_TILE(7)
-      SPECSERVE_TILE(8)
-      SPECSERVE_TILE(9)
-      SPECSERVE_TILE(10)
-      SPECSERVE_TILE(11)
-      SPECSERVE_TILE(12)
-      SPECSERVE_TILE(13)
-      SPECSERVE_TILE(14)
-      SPECSERVE_TILE(15)
-      SPECSERVE_TILE(16)
+        SPECSERVE_TILE(1)
+        SPECSERVE_TILE(2)
+        SPECSERVE_TILE(3)
+        SPECSERVE_TILE(4)
+        SPECSERVE_TILE(5)
+        SPECSERVE_TILE(6)
+        SPECSERVE_TILE(7)
+        SPECSERVE_TILE(8)
+        SPECSERVE_TILE(9)
+        SPECSERVE_TILE(10)
+        SPECSERVE_TILE(11)
+        SPECSERVE_TILE(12)
+        SPECSERVE_TILE(13)
+        SPECSERVE_TILE(14)
+        SPECSERVE_TILE(15)
+        SPECSERVE_TILE(16)
 #undef SPECSERVE_TILE
+      }
     }
   }
 }
@@ -561,10 +591,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_padded(const at::Te
   int8_t* qp = q.data_ptr<int8_t>();
   float *sp = scale.data_ptr<float>(), *up = sum.data_ptr<float>();
   // blocks are independent: threads share a large call (a verification block's down projection: 8 x 8960
-  // inputs took 24 us on one thread), a small one stays on the caller's
-  at::parallel_for(0, m * nb, kQuantizeGrain, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t j = block_major ? i % nb * m + i / nb : i;  // block i % nb of row i / nb
+  // inputs took 24 us on one thread), a small one stays on the caller's. Each thread writes a range of
+  // the scales and sums (threads writing neighbouring floats of one cache line cost more than they saved)
+  at::parallel_for(0, m * nb, kQuantizeGrain, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = block_major ? j % m * nb + j / m : j;  // block i % nb of row i / nb
       if (isa == kScalar)
         quantize_block_scalar(xp + i * kBlock, qp + i * kBlock, sp + j, up + j);
       else
@@ -626,9 +657,12 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t tile_bytes = codes.size(1) * 64;
   // split over output tiles only: every element is computed the same way whatever the thread count
   const int64_t grain = std::max<int64_t>(1, 32768 / (k * std::min<int64_t>(m, kRows)));
+  // AMX takes output tiles two by two (the odd one out alone) where the call's activations outgrow L1, so
+  // that each block's are loaded once for both; else one by one (the pairs' registers spill)
+  const bool pairs = isa == kAmx && m * k > kPairFromBytes;
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     if (isa == kAmx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRows)));  // per thread
-    for (int64_t t = t0; t < t1; ++t) {
+    auto weights_of = [&](int64_t t) {
       Weights w{cp + t * tile_bytes, nullptr, nullptr, nullptr, gshift};
       if (int4) {
         w.groups = sp + t * groups * 2 * kTile;
@@ -636,14 +670,20 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
       } else {
         w.scales = reinterpret_cast<const uint16_t*>(sp) + t * groups * kTile;
       }
+      return w;
+    };
+    for (int64_t t = t0, step; t < t1; t += step) {
+      step = pairs ? std::min<int64_t>(2, t1 - t) : 1;
+      const Weights w[2] = {weights_of(t), weights_of(t + step - 1)};
       const float* b = bp ? bp + t * kTile : nullptr;
       float* o = op + t * kTile;
       if (isa == kAmx)
-        int4 ? rows_of_tile_amx<true>(w, acts, m, b, o, n) : rows_of_tile_amx<false>(w, acts, m, b, o, n);
+        int4 ? rows_of_tiles_amx<true>(w, step, acts, m, b, o, n)
+             : rows_of_tiles_amx<false>(w, step, acts, m, b, o, n);
       else if (int4)
-        rows_of_tile<true>(isa, w, acts, m, b, o, n);
+        rows_of_tile<true>(isa, w[0], acts, m, b, o, n);
       else
-        rows_of_tile<false>(isa, w, acts, m, b, o, n);
+        rows_of_tile<false>(isa, w[0], acts, m, b, o, n);
     }
     if (isa == kAmx) amx_release();
   });
