@@ -507,12 +507,14 @@ void rows_of_tiles_amx(const Weights* w, int tiles, const Acts& a, int64_t rows,
       const float* b = bias ? bias + c * kTile : nullptr;
       float* o = out + r0 * ldo + c * kTile;
       switch (n) {
-#define SPECSERVE_TILE(R)                                                 \
-  case R:                                                                 \
-    if (R <= kAmxPairRows && pair)                                        \
-      tile_amx<R, kInt4, R <= kAmxPairRows ? 2 : 1>(w, a, r0, b, o, ldo); \
-    else                                                                  \
-      tile_amx<R, kInt4, 1>(w + c, a, r0, b, o, ldo);                     \
+#define SPECSERVE_TILE(R)                                  \
+  case R:                                                  \
+    if constexpr (R <= kAmxPairRows)                       \
+      if (pair) {                                          \
+        tile_amx<R, kInt4, 2>(w, a, r0, b, o, ldo);        \
+        break;                                             \
+      }                                                    \
+    tile_amx<R, kInt4, 1>(w + c, a, r0, b, o, ldo);        \
     break;
         SPECSERVE_TILE(1)
         SPECSERVE_TILE(2)
