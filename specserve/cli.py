@@ -1,5 +1,8 @@
 """The `specserve` command: parsing and dispatch. Each subsystem registers its own subcommands; `generate`,
-the main job, is here."""
+the main job, is here.
+
+Parsing imports nothing heavy (the subsystems' `commands.py` import torch and the engine inside the command
+that needs them): `--help`, `--version` and a mistyped flag answer at once."""
 
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ from specserve.train import commands as train_commands
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default, where it has one worth saying."""
+    """Every option's help ends with its default, where it has one worth saying (a value, not a switch's
+    dest: `--no-llama` defaults to llama = True, which reads as the switch being on)."""
 
     def _format_action(self, action: argparse.Action) -> str:
         default = action.default
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
         if action.option_strings and not (
-            default is None or default is False or default == argparse.SUPPRESS
+            switch or default is None or default is False or default == argparse.SUPPRESS
         ):
             action = copy.copy(action)
             action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
@@ -30,11 +35,22 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Subcommand parsers are made by their parent's class, so they all format help this way."""
+    """Subcommand parsers are made by their parent's class, so they all format help this way, and none
+    takes a prefix of a long flag for the flag (`--max-token` is an error, not `--max-tokens`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -89,6 +105,7 @@ def build_parser() -> Parser:
         prog="specserve",
         description="An LLM inference and serving engine built around DSpark speculative decoding.",
     )
+    parser.add_argument("--version", action="version", version=f"specserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in (
         _register_generate,
@@ -97,7 +114,32 @@ def build_parser() -> Parser:
         bench_commands.register,
     ):
         register(sub)
+    _remember_parsers(parser)
     return parser
+
+
+def _remember_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser sets `parser` to itself, so that errors found after parsing (a flag no
+    subcommand knows) print the usage of the subcommand they were given to; the deepest one wins."""
+    parser.set_defaults(parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _remember_parsers(child)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, with an unknown flag reported by the subcommand it was given to, and the
+    subcommand's `after_parse` steps run (each may complete `args`, or return what is wrong)."""
+    args, unknown = parser.parse_known_args(argv)
+    leaf = args.parser
+    if unknown:
+        leaf.error(f"unrecognized arguments: {' '.join(unknown)}")
+    for step in getattr(args, "after_parse", ()):
+        problem = step(args)
+        if problem:
+            leaf.error(problem)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if executor.launched_by_torchrun():  # a launcher started this command on every rank: rank 0 runs it
             return worker.main([])
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
     except SpecserveError as e:

@@ -18,10 +18,21 @@ def speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _one_model(args: argparse.Namespace) -> str | None:
+    """The model given positionally or as `--model` (as vLLM's `serve` takes it), once."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        return f"two models given: {args.model!r} and --model {args.model_flag!r}; give one"
+    args.model = args.model or args.model_flag
+    return None if args.model else "the model is missing: give it as MODEL or --model MODEL"
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """The engine's flags; `model_positional`: the model is MODEL or `--model MODEL`, and has no default."""
     model_help = "short name, local dir, .gguf file or hub id"
     if model_positional:
-        parser.add_argument("model", help=model_help)
+        parser.add_argument("model", nargs="?", default=None, help=model_help)
+        parser.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag")
+        parser.set_defaults(after_parse=[_one_model])
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     parser.add_argument(

@@ -57,7 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=QUANTIZATION_MODES,
         help="weight-only quantization of the target (and of the default draft model)",
     )
-    spec.add_argument("--no-transformers", action="store_true")
+    spec.add_argument(
+        "--no-transformers", action="store_true", help="skip transformers' plain and assisted generation"
+    )
     spec.add_argument(
         "--no-llama",
         dest="llama",
