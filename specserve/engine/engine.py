@@ -24,10 +24,11 @@ from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.sampling import StepSampler, logprob_steps
 from specserve.engine.scheduler import Scheduler
-from specserve.models.generation_config import DEFAULT_MAX_MODEL_LEN, context_length, eos_token_ids
+from specserve.models.generation_config import eos_token_ids
 from specserve.models.loader import load_model, resolve_model
 from specserve.models.registry import text_config_of
 from specserve.parallel.executor import TensorParallelExecutor
+from specserve.preflight import check_before_loading, effective_max_model_len
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
 from specserve.structured.grammar import GrammarCompiler
@@ -53,6 +54,7 @@ class LLMEngine:
         _freeze_import_heap()
         self.config = config
         spec_config = SpeculativeConfig.from_value(speculative_config)  # a typo fails before loading
+        check_before_loading(config, spec_config)  # so does anything config.json and the arguments decide
         self.model_dir = resolve_model(config.model, revision=config.revision)
         # Tensor parallelism: worker ranks load their shards while this process (rank 0) loads its own.
         split = config.tensor_parallel_size > 1
@@ -72,12 +74,7 @@ class LLMEngine:
         self.model, hf_config, self.tokenizer = load_model(**load_args, shard=shard)
         self.model_config = text_config_of(hf_config)
         self.vocab_size = self.model_config.vocab_size
-        context = context_length(self.model_config)
-        self.max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
-        if self.max_model_len > context:
-            raise SpecserveError(
-                f"max_model_len {self.max_model_len} exceeds the model's context length {context}"
-            )
+        self.max_model_len = effective_max_model_len(config, self.model_config)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         num_blocks = kv_cache_blocks(self.model, config, self.max_model_len)
         hybrid = self.model.has_recurrent_state

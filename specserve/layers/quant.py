@@ -567,7 +567,8 @@ def quantizable_linears(model: nn.Module, mode: str, lm_head: bool | None = None
             continue
         if qualname == "lm_head" and not with_head:
             continue
-        on_cpu = isinstance(module, PackedLinear) or module.weight.device.type == "cpu"
+        # meta: a model skeleton, asked before loading which layers its weights would quantize
+        on_cpu = isinstance(module, PackedLinear) or module.weight.device.type in ("cpu", "meta")
         if on_cpu and group_size_for(module.in_features, module.out_features) is not None:
             names_of.setdefault(id(module), []).append(qualname)
     yield from names_of.values()

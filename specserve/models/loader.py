@@ -15,6 +15,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,36 +65,70 @@ def _accepted_forms() -> str:
     )
 
 
-def resolve_model(model: str, *, revision: str | None = None, cache_dir: Path | None = None) -> Path:
-    """A local directory with config.json, *.safetensors and (when known) tokenizer files for `model`."""
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model reference's files are now, found without converting or downloading anything: a
+    HF-format directory, or a GGUF not converted yet (a file, or a local model's chunks in part order), or a
+    hub id."""
+
+    directory: Path | None = None
+    gguf_parts: tuple[Path, ...] = ()
+    hub_id: str | None = None
+    local_name: str | None = None  # a local model's short name
+
+
+def locate_model(model: str) -> ModelFiles:
+    """`model`'s files as they are (cheap: no conversion, no download); unknown references are errors."""
     model = str(model)
     if model in local_models.LOCAL_MODELS:
-        return local_models.resolve_local_model(model)
+        converted = local_models.converted_path(model)
+        if converted is not None:
+            return ModelFiles(directory=converted, local_name=model)
+        return ModelFiles(gguf_parts=local_models.gguf_parts(model), local_name=model)
     path = Path(model).expanduser()
     if path.exists():
-        return _resolve_local_path(path)
+        return _locate_path(path)
     if model.endswith(".gguf") or model.startswith((".", "/", "~")):
         raise SpecserveError(f"model path {model!r} does not exist; {_accepted_forms()}")
     if _HUB_ID.match(model) and ".." not in model:
-        return _resolve_hub(model, revision=revision, cache_dir=cache_dir)
+        return ModelFiles(hub_id=model)
     raise SpecserveError(
         f"unknown model {model!r}: not a local model name, an existing path or a hub id; {_accepted_forms()}"
     )
 
 
-def _resolve_local_path(path: Path) -> Path:
+def resolve_model(model: str, *, revision: str | None = None, cache_dir: Path | None = None) -> Path:
+    """A local directory with config.json, *.safetensors and (when known) tokenizer files for `model`."""
+    files = locate_model(model)
+    if files.directory is not None:
+        return files.directory
+    if files.hub_id is not None:
+        return _resolve_hub(files.hub_id, revision=revision, cache_dir=cache_dir)
+    if files.local_name is not None:
+        return local_models.resolve_local_model(files.local_name)
+    from specserve.models import gguf
+
+    return gguf.resolve_gguf(files.gguf_parts[0])
+
+
+def _locate_path(path: Path) -> ModelFiles:
     from specserve.models import gguf
 
     if path.is_file():
         if path.suffix == ".gguf":
-            return gguf.resolve_gguf(path)
+            converted = gguf.converted_dir(gguf.gguf_cache_key(path))
+            return (
+                ModelFiles(directory=converted)
+                if gguf.is_converted(converted)
+                else ModelFiles(gguf_parts=(path,))
+            )
         raise SpecserveError(f"{path} is a file but not a .gguf file; {_accepted_forms()}")
     if (path / "config.json").is_file():
         _check_weights(path)
-        return path
+        return ModelFiles(directory=path)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return gguf.resolve_gguf(ggufs[0])
+        return _locate_path(ggufs[0])
     if len(ggufs) > 1:
         raise SpecserveError(
             f"{path} holds {len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs[:6])}); "

@@ -154,15 +154,37 @@ def ensure_gguf(name: str) -> Path:
         return assemble_chunks(chunk_paths(model), dest, model.sha256, model.size, desc=f"assembling {name}")
 
 
+def _converted_dir(name: str) -> Path:
+    from specserve.models import gguf
+
+    return gguf.converted_dir(f"{name}-{LOCAL_MODELS[name].sha256[:12]}")
+
+
+def converted_path(name: str) -> Path | None:
+    """The model's converted HF-format directory, if a finished conversion is cached."""
+    from specserve.models import gguf
+
+    out = _converted_dir(name)
+    return out if gguf.is_converted(out) else None
+
+
+def gguf_parts(name: str) -> tuple[Path, ...]:
+    """The model's GGUF as it is now: the assembled file where it is cached, else its chunks in part order
+    (read as one file by `models/gguf_header.py`); missing packages are an error with the install hint."""
+    model = LOCAL_MODELS[name]
+    assembled = local_gguf_path(name)
+    if assembled.is_file() and assembled.stat().st_size == model.size:
+        return (assembled,)
+    return tuple(chunk_paths(model))
+
+
 def resolve_local_model(name: str) -> Path:
     """A HF-format directory for a short-named model: assemble + convert on first use, then just a lookup."""
     from specserve.models import gguf
 
-    model = LOCAL_MODELS[name]
-    key = f"{name}-{model.sha256[:12]}"
-    out = gguf.converted_dir(key)
-    if gguf.is_converted(out):
+    out = converted_path(name)
+    if out is not None:
         return out
     # Check the packages before anything slow, so a missing install fails at once with the hint.
-    chunk_paths(model)
-    return gguf.convert_gguf(ensure_gguf(name), out)
+    chunk_paths(LOCAL_MODELS[name])
+    return gguf.convert_gguf(ensure_gguf(name), _converted_dir(name))

@@ -41,10 +41,15 @@ def model_class(config) -> type[CausalLM]:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_model(config, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """An uninitialised model for `config` (weights are loaded afterwards)."""
+def model_skeleton(config) -> CausalLM:
+    """The model for `config` on the meta device: its modules, shapes and cache specs, and no memory (what
+    the checks before loading read)."""
     config = text_config_of(config)
     model_cls = model_class(config)
     with torch.device("meta"):
-        model = model_cls(config)
-    return model.to_empty(device="cpu").to(dtype)
+        return model_cls(config)
+
+
+def build_model(config, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """An uninitialised model for `config` (weights are loaded afterwards)."""
+    return model_skeleton(config).to_empty(device="cpu").to(dtype)

@@ -1,0 +1,192 @@
+"""Checks made before any weight is read: everything that config.json, a GGUF header and the arguments
+decide. A mistake then fails in seconds and a few hundred MB, not after minutes of loading (and of
+converting, for a GGUF not converted yet).
+
+What is checked: the model reference (local name, path, .gguf, hub id) and its architecture; tensor
+parallelism against the head counts; `max_model_len` against the model's context; the KV budget against
+`max_model_len` (the engine's own formula, on the model built on the meta device); quantization against the
+architecture (some linear layer must take it); the drafter: a draft model's name, vocabulary and
+tokenizer against the target's, a drafter checkpoint's presence, MTP's target and weights, the draft
+length a hybrid target can verify.
+
+The engine runs these checks first (`LLMEngine`, so `LLM`, the server and the benchmarks), and the CLI
+before it imports the engine. A hub model that is not cached yet is checked once downloaded (its
+config is part of the download).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
+from specserve.models.generation_config import DEFAULT_MAX_MODEL_LEN, context_length
+from specserve.models.loader import ModelFiles, load_hf_config, locate_model
+from specserve.models.registry import model_skeleton, text_config_of
+
+CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
+
+
+def model_config(files: ModelFiles, revision: str | None = None):
+    """The transformers config of a located model, read from config.json or the GGUF header; None for a
+    hub model whose config is not cached."""
+    if files.directory is not None:
+        return load_hf_config(files.directory)
+    if files.gguf_parts:
+        from specserve.models.gguf import build_hf_config
+        from specserve.models.gguf_header import GGUFHeader
+
+        return build_hf_config(GGUFHeader(files.gguf_parts))
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(files.hub_id, "config.json", revision=revision)
+    return load_hf_config(Path(cached).parent) if isinstance(cached, str) else None
+
+
+def vocabulary(files: ModelFiles) -> dict[int, str] | None:
+    """Token id -> token text from the tokenizer files without building the tokenizer (tokenizer.json's
+    vocabulary and added tokens, or the GGUF's token list); None where neither is there."""
+    if files.gguf_parts:
+        from specserve.models.gguf_header import GGUFHeader
+
+        tokens = GGUFHeader(files.gguf_parts).get("tokenizer.ggml.tokens")
+        return dict(enumerate(tokens)) if tokens else None
+    path = files.directory / "tokenizer.json" if files.directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    vocab = {i: token for token, i in (data.get("model", {}).get("vocab") or {}).items()}
+    vocab.update({added["id"]: added["content"] for added in data.get("added_tokens", [])})
+    return vocab
+
+
+def _skeleton(text_config, what: str):
+    try:
+        return model_skeleton(text_config)
+    except ValueError as exc:  # an unsupported model_type
+        raise SpecserveError(f"{what}: {exc}") from None
+
+
+def check_before_loading(config: EngineConfig, speculative_config: SpeculativeConfig | None = None) -> None:
+    """Raise SpecserveError on anything about `config` and `speculative_config` decidable without weights."""
+    from specserve.models.sharding import shard_config
+    from specserve.worker.model_runner import kv_cache_blocks
+
+    target_files = locate_model(config.model)
+    hf_config = model_config(target_files, config.revision)
+    if hf_config is None:  # a hub model not downloaded yet: the engine checks it after the download
+        _check_drafter(speculative_config, None, None, None, config)
+        return
+    text = text_config_of(hf_config)
+    max_model_len = effective_max_model_len(config, text)
+    skeleton = _skeleton(shard_config(text, config.tensor_parallel_size), config.model)
+    kv_cache_blocks(skeleton, config, max_model_len)
+    _check_quantization(skeleton, config.quantization, config.model)
+    _check_drafter(speculative_config, target_files, text, skeleton, config)
+
+
+def effective_max_model_len(config: EngineConfig, text_config) -> int:
+    """`config.max_model_len`, or the model's context capped at DEFAULT_MAX_MODEL_LEN; never past the
+    context."""
+    context = context_length(text_config)
+    max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > context:
+        raise SpecserveError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
+    return max_model_len
+
+
+def _check_quantization(skeleton, mode: str | None, model: str) -> None:
+    from specserve.layers.quant import quantizable_linears
+
+    if mode is not None and not any(True for _ in quantizable_linears(skeleton, mode)):
+        raise SpecserveError(
+            f"quantization {mode!r} applies to no linear layer of {model} (the kernels take weights with "
+            "16 | out_features and a group size dividing in_features); drop --quantization"
+        )
+
+
+def _check_drafter(
+    spec: SpeculativeConfig | None,
+    target_files: ModelFiles | None,
+    target_text,
+    target_skeleton,
+    config: EngineConfig,
+) -> None:
+    if spec is None:
+        return
+    if spec.method == "draft_model":
+        _check_draft_model(spec, target_files, target_text)
+    elif spec.method in CHECKPOINT_DRAFTERS:
+        locate_model(spec.model)  # a path that is not there, or a name that is nothing, fails here
+    if target_text is None:
+        return
+    from specserve.models.qwen3_next import HybridQwenForCausalLM
+
+    if spec.method == "mtp":
+        _check_mtp(target_files, isinstance(target_skeleton, HybridQwenForCausalLM), config.model)
+    if target_skeleton.has_recurrent_state and spec.num_speculative_tokens is not None:
+        from specserve.layers.gated_deltanet import RECURRENT_MAX_LEN
+
+        if spec.num_speculative_tokens + 1 > RECURRENT_MAX_LEN:
+            raise SpecserveError(
+                f"num_speculative_tokens={spec.num_speculative_tokens}: a hybrid target verifies at most "
+                f"{RECURRENT_MAX_LEN - 1} drafts a round exactly"
+            )
+
+
+def _check_draft_model(spec: SpeculativeConfig, target_files: ModelFiles | None, target_text) -> None:
+    draft_files = locate_model(spec.model)
+    draft_config = model_config(draft_files)
+    if draft_config is None or target_text is None:
+        return
+    draft_text = text_config_of(draft_config)
+    skeleton = _skeleton(draft_text, f"draft model {spec.model}")
+    _check_quantization(skeleton, spec.quantization, f"draft model {spec.model}")
+    if draft_text.vocab_size != target_text.vocab_size:
+        raise SpecserveError(
+            f"draft model {spec.model!r} has vocabulary size {draft_text.vocab_size}, the target has "
+            f"{target_text.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    # Both vocabularies read the same way (tokenizer files, or GGUF token lists): every id both name must
+    # be the same token. (Read differently, the engine compares the loaded tokenizers.)
+    if bool(draft_files.gguf_parts) == bool(target_files.gguf_parts):
+        draft_vocab, target_vocab = vocabulary(draft_files), vocabulary(target_files)
+        if draft_vocab and target_vocab:
+            both = draft_vocab.keys() & target_vocab.keys()
+            differ = [i for i in both if draft_vocab[i] != target_vocab[i]]
+            if differ:
+                i = min(differ)
+                raise SpecserveError(
+                    f"draft model {spec.model!r} has a different tokenizer vocabulary than the target "
+                    f"({len(differ)} ids differ; id {i}: {draft_vocab[i]!r} against {target_vocab[i]!r})"
+                )
+
+
+def _check_mtp(target_files: ModelFiles, hybrid: bool, model: str) -> None:
+    if not hybrid:
+        raise SpecserveError(
+            "method 'mtp' drafts with the multi-token-prediction layer of a Qwen3-Next / Qwen3.5 checkpoint; "
+            f"{model} is not one"
+        )
+    names = _checkpoint_tensor_names(target_files)
+    if names is not None and not any(name.startswith("mtp.") for name in names):
+        raise SpecserveError(
+            f"{model}: the checkpoint has no mtp.* tensors (a GGUF conversion drops them); "
+            "method 'mtp' needs the original safetensors"
+        )
+
+
+def _checkpoint_tensor_names(files: ModelFiles) -> list[str] | None:
+    """Tensor names from the safetensors index or the files' headers (no tensor is read)."""
+    if files.directory is None:
+        return [] if files.gguf_parts else None
+    index = files.directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(files.directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            names += list(fh.keys())  # noqa: SIM118 (not a mapping)
+    return names
