@@ -581,7 +581,11 @@ def replace_module(model: nn.Module, names: list[str], new: nn.Module) -> None:
 
 
 def quantize_model(
-    model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE, lm_head: bool | None = None
+    model: nn.Module,
+    mode: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    lm_head: bool | None = None,
+    fuse: bool = True,
 ) -> int:
     """Replace, in place, every linear layer the kernel can take by its quantized version (weights already
     loaded; works before or after `pack_linears`); returns how many were replaced.
@@ -590,7 +594,8 @@ def quantize_model(
     dividing K). Projections of one input are then fused (`fuse_projections`). `lm_head=None` follows
     `QUANTIZE_HEAD` (int4: quantized; int8: fp32). A head tied to the embedding gets its own quantized
     copy; the embedding itself stays fp32 (a lookup reads one row per token). Usable on a draft model on
-    its own, independently of the target.
+    its own, independently of the target. `fuse=False` leaves the fusing to the caller (models/prepare.py
+    caches the layers unfused first).
     """
     count = 0
     for names in list(quantizable_linears(model, mode, lm_head)):
@@ -599,7 +604,8 @@ def quantize_model(
             new = quantize_linear(linear.weight, linear.bias, mode, group_size)
         replace_module(model, names, new)
         count += 1
-    fuse_projections(model)
+    if fuse:
+        fuse_projections(model)
     return count
 
 

@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 from specserve.config import SpecserveError
-from specserve.layers.huge_pages import place_on_huge_pages
-from specserve.layers.linear import pack_linears
-from specserve.layers.quant import check_mode, quantize_model
+from specserve.layers.quant import check_mode
 from specserve.models import local_models
+from specserve.models.prepare import PreparedWeights, prepare_model
 from specserve.models.sharding import (
     Shard,
     WeightShard,
@@ -294,7 +293,8 @@ def load_model(
     `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
     model converted from a GGUF file that is still present is then read from that file, its quantized
     blocks mapped straight into our formats where they match (`models/gguf.py`); otherwise the fp32
-    weights are loaded and quantized in memory. `shard` (tensor parallelism) builds and loads only that
+    weights are loaded and quantized in memory; either way the quantized form is cached and later loads map
+    it (`models/prepare.py`). `shard` (tensor parallelism) builds and loads only that
     rank's part of the model (`models/sharding.py`); its quantized layers are quantized from the fp32
     weights of the shard."""
     from specserve.models import gguf
@@ -315,15 +315,20 @@ def load_model(
         net.config = text_config_of(config)  # checkpoint layouts are read off the whole model's config
         net.weight_shard = WeightShard(shard, full_shapes, net)
     source = gguf.gguf_source(model_dir) if quantization and world_size == 1 else None
-    if source is not None:
+    cache = None
+    if quantization and world_size == 1:  # a rank's shard is quantized from its fp32 part each time
+        cache = PreparedWeights(
+            [*_safetensors_files(model_dir), *([source] if source else [])], quantization, dtype
+        )
+    if cache is not None and cache.exists():
+        cache.load_into(net)
+    elif source is not None:
         net.load_weights(gguf.load_quantized(source, net, quantization), adopt=True)
     else:  # each tensor is read for this load: adopted, or copied (cast) into a `dtype` parameter
         net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
     if world_size > 1:
         finish_sharded_load(net, full_shapes, shard)
     net.eval()
-    if quantization:
-        quantize_model(net, quantization)  # everything not read quantized from a GGUF (a tied head, ...)
-    pack_linears(net)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
-    place_on_huge_pages(net)
+    # quantized (everything not read quantized from a GGUF or the cache: a tied head, ...), cached, packed
+    prepare_model(net, quantization, cache)
     return net, config, load_tokenizer(model_dir)

@@ -12,9 +12,7 @@ from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.block_manager import BlockManager
 from specserve.core.sequence import Sequence
 from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
-from specserve.layers.huge_pages import place_on_huge_pages
-from specserve.layers.linear import pack_linears
-from specserve.layers.quant import quantize_model
+from specserve.models.prepare import prepare_model
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch, attention_geometry
@@ -113,11 +111,7 @@ class HiddenStateDrafter(Drafter):
             raise SpecserveError(
                 f"{spec.model}: a {model.config.architecture} drafter cannot run method {spec.method!r}"
             )
-        if spec.quantization is not None:
-            quantize_model(model, spec.quantization)
-        pack_linears(model)
-        place_on_huge_pages(model)
-        return model
+        return prepare_model(model, spec.quantization)
 
     # ---- context bookkeeping ------------------------------------------------------------------------
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:

@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.layers.huge_pages import place_on_huge_pages
-from specserve.layers.linear import pack_linears
-from specserve.layers.quant import quantize_model
 from specserve.models.loader import iter_checkpoint_tensors
+from specserve.models.prepare import prepare_model
 from specserve.models.qwen3_next import HybridQwenForCausalLM, MultiTokenPredictor
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch
@@ -65,10 +63,7 @@ class MTPDrafter(Eagle3Drafter):
         predictor = MultiTokenPredictor(target.model_config)
         predictor.load_weights(weights)
         predictor.to(target.torch_dtype).eval()
-        if spec.quantization is not None:
-            quantize_model(predictor, spec.quantization)
-        pack_linears(predictor)
-        place_on_huge_pages(predictor)
+        prepare_model(predictor, spec.quantization)
         attention = predictor.layers[0].self_attn
         hidden = target.model_config.hidden_size
         layout = DrafterLayout(

@@ -1,0 +1,201 @@
+"""Getting loaded weights ready to serve on this CPU, one recipe for every model (a target, a draft model, a
+DeepSpec drafter, an MTP layer): quantize what is asked (`layers/quant.py`), cache that form, fuse the
+projections of one input, pack the fp32 linears for oneDNN (`layers/linear.py`), move everything onto huge
+pages (`layers/huge_pages.py`).
+
+The cache. A quantized load is slow for what it computes, not for what it reads: from a GGUF, every
+block not in the kernel's format is dequantized and requantized in numpy (72 s for the 0.5B here, loaded
+host), and from fp32 safetensors every weight is read in fp32 and quantized. So the quantized model (its
+quantized layers' kernel buffers, and every other parameter in its dtype) is written once to
+`<cache>/prepared/<key>/` and a later load maps it instead: `PreparedWeights`. The key covers the source
+files (paths, sizes, modification times), the mode, the dtype, the group size and the source of the code
+that defines the format, so a change to any of them prepares again. Packing and huge pages are not
+cached: oneDNN's packed weights are opaque, and both are copies that take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specserve.cache_dir import cache_root, file_lock
+from specserve.layers.huge_pages import place_on_huge_pages
+from specserve.layers.linear import pack_linears
+from specserve.layers.quant import (
+    DEFAULT_GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    fuse_projections,
+    quantize_model,
+    replace_module,
+)
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # of the files below; the key also hashes the code that defines the layers' buffers
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+_LAYER_CLASSES = {"Int4Linear": Int4Linear, "Int8Linear": Int8Linear}
+
+
+def prepare_model(
+    model: nn.Module, quantization: str | None = None, cache: PreparedWeights | None = None
+) -> nn.Module:
+    """Quantize (every layer not quantized yet; "int8" | "int4" | None), save that form to `cache` if it has
+    none yet, fuse, pack and move onto huge pages; in place, returns `model`."""
+    if quantization is not None:
+        quantize_model(model, quantization, fuse=False)
+        if cache is not None and not cache.exists():
+            cache.save(model)
+    fuse_projections(model)
+    pack_linears(model)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
+    place_on_huge_pages(model)
+    return model
+
+
+def _code_fingerprint() -> str:
+    """The source of the modules that define what a quantized layer holds."""
+    from specserve.layers import quant
+    from specserve.models import gguf
+
+    digest = hashlib.sha256()
+    for module in (quant, gguf):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
+def _files_fingerprint(paths: list[Path]) -> list[list]:
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(paths)]
+
+
+class PreparedWeights:
+    """The cached quantized form of one model (see the module docstring)."""
+
+    def __init__(self, source_files: list[Path], quantization: str, dtype: torch.dtype):
+        key = {
+            "format": FORMAT_VERSION,
+            "code": _code_fingerprint(),
+            "source": _files_fingerprint(source_files),
+            "quantization": quantization,
+            "dtype": str(dtype),
+            "group_size": DEFAULT_GROUP_SIZE,
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        self.key = key
+        self.directory = cache_root() / "prepared" / digest
+
+    def exists(self) -> bool:
+        return (self.directory / MANIFEST_FILE).is_file() and (self.directory / WEIGHTS_FILE).is_file()
+
+    # ---- writing ------------------------------------------------------------------------------------------
+    def save(self, model: nn.Module) -> bool:
+        """Write `model`'s quantized form (quantized, not yet fused, packed or moved). Returns False, writing
+        nothing, when some quantized layer is not on specserve's kernel (its torch form is rebuilt from the
+        weights each time) or the cache cannot be written."""
+        layers, tensors = {}, {}
+        seen: dict[int, str] = {}  # storage -> the name it is saved under (tied parameters are saved once)
+        for qualname, module in model.named_modules(remove_duplicate=False):
+            if isinstance(module, Int4Linear | Int8Linear):
+                if not module.on_kernel:
+                    return False
+                first = layers.setdefault(id(module), {"names": [], "class": type(module).__name__})
+                first["names"].append(qualname)
+                if len(first["names"]) == 1:
+                    first.update(in_features=module.in_features, group_size=module.group_size)
+                    for name in module.KERNEL_BUFFERS:
+                        tensors[f"{qualname}.{name}"] = getattr(module, name)
+                    if module.bias is not None:
+                        tensors[f"{qualname}.bias"] = module.bias
+        quantized = {name for layer in layers.values() for name in layer["names"]}
+        aliases = {}
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+            if name.rpartition(".")[0] in quantized:
+                continue
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr in seen:
+                aliases[name] = seen[ptr]
+            else:
+                seen[ptr] = name
+                tensors[name] = tensor
+        manifest = {"key": self.key, "layers": list(layers.values()), "aliases": aliases}
+        try:
+            self._write(manifest, tensors)
+        except OSError as exc:
+            logger.warning("could not cache the prepared weights in %s: %s", self.directory, exc)
+            return False
+        return True
+
+    def _write(self, manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.directory.parent / f".{self.directory.name}.lock"):
+            if self.exists():
+                return
+            tmp = self.directory.parent / f".{self.directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                save_file({k: t.detach().contiguous() for k, t in tensors.items()}, str(tmp / WEIGHTS_FILE))
+                (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+                if self.directory.exists():
+                    shutil.rmtree(self.directory)
+                os.rename(tmp, self.directory)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+    # ---- reading ------------------------------------------------------------------------------------------
+    def load_into(self, model: nn.Module) -> None:
+        """Fill `model` (built, its weights unread) with the cached form: its parameters and buffers, and its
+        quantized layers rebuilt from their kernel buffers. `prepare_model` then fuses, packs and moves."""
+        from safetensors import safe_open
+
+        manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
+        with safe_open(str(self.directory / WEIGHTS_FILE), framework="pt", device="cpu") as fh:
+            names = set(fh.keys())  # noqa: SIM118 (not a mapping)
+            quantized = {name for layer in manifest["layers"] for name in layer["names"]}
+            own = {n for n in names if n.rpartition(".")[0] not in quantized}
+            with torch.no_grad():
+                for name in own:
+                    _set_tensor(model, name, fh.get_tensor(name))
+            tie = getattr(model, "tie_weights", None)
+            if tie is not None:
+                tie()  # before the layers below: a tied head may be one of them (its quantized copy)
+            for name, source in manifest["aliases"].items():  # what tie_weights did not tie again
+                tensor = _get_tensor(model, source)
+                if _get_tensor(model, name) is not tensor:
+                    _set_tensor(model, name, tensor, alias=True)
+            for layer in manifest["layers"]:
+                first = layer["names"][0]
+                cls = _LAYER_CLASSES[layer["class"]]
+                buffers = {name: fh.get_tensor(f"{first}.{name}") for name in cls.KERNEL_BUFFERS}
+                bias = fh.get_tensor(f"{first}.bias") if f"{first}.bias" in names else None
+                new = cls.from_kernel_buffers(buffers, layer["in_features"], layer["group_size"], bias)
+                replace_module(model, layer["names"], new)
+
+
+def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner), leaf)
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, alias: bool = False) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        if alias:
+            owner._parameters[leaf] = tensor
+        else:
+            owner._parameters[leaf].data = tensor
+    elif leaf in owner._buffers:
+        owner._buffers[leaf] = tensor
+    else:
+        raise ValueError(f"prepared weights: {name} is neither a parameter nor a buffer of the model")
