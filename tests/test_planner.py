@@ -304,7 +304,7 @@ def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_p
         == 0
     )
     profile = CostProfile.load(out)
-    assert profile.batch_tokens[0] == 1 and profile.batch_tokens[-1] == 2048
+    assert profile.batch_tokens[0] == 1 and profile.batch_tokens[-1] == 64 * (3 + 1)  # what a step holds
     assert all(t > 0 for t in profile.step_s) and len(profile.draft_s) == len(profile.draft_requests)
     assert out.with_suffix(".png").is_file() and "saved" in capsys.readouterr().out
 
@@ -313,16 +313,31 @@ def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeyp
     """Fake forwards on a fake clock: the first two at B = 1 are slow (weights paged in); the first is
     not timed and the median of three drops the second. B = 2 measured slower than B = 4 (disturbance)
     and takes B = 4's time: a larger batch never takes less."""
+    from types import SimpleNamespace
+
     from specserve.spec_decode import profiler
 
     clock = [0.0]
-    seconds = {1: [9.0, 9.0, 0.25, 0.25], 2: [0.4] * 3, 4: [0.3] * 3, 8: [0.6] * 3}
+    seconds = {1: [9.0, 9.0, 0.25, 0.25], 2: [0.4] * 3, 3: [0.35] * 3, 4: [0.3] * 3}
 
-    def forward(num_tokens, context):
-        clock[0] += seconds[num_tokens].pop(0)
+    def forward(pieces, rows):
+        clock[0] += seconds[sum(len(p.token_ids) for p in pieces)].pop(0)
 
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
-    assert profiler.measure_target(forward, [1, 2, 4, 8]) == pytest.approx([0.25, 0.3, 0.3, 0.6])
+    target = SimpleNamespace(
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=2048,
+        vocab_size=256,
+        model=SimpleNamespace(has_recurrent_state=False),
+    )
+    blocks = SimpleNamespace(can_grow=lambda seq, n: True, grow=lambda seq, n: None, free=lambda seq: None)
+    measure = profiler.CostProfiler(target, SimpleNamespace(forward=forward), blocks, None, 1)
+    measure.draft_s, measure.catch_up_s = {1: 0.01, 2: 0.01}, 0.0  # the drafter's points: not under test
+    profile = measure.measure()
+    # B up to 2 requests x (1 draft + anchor); 2 was off the line from 1 to 4, so 3 was probed too
+    assert profile.batch_tokens == [1, 2, 3, 4]
+    assert profile.step_s == pytest.approx([0.25, 0.3, 0.3, 0.3])
     assert all(not left for left in seconds.values())
 
 
@@ -330,7 +345,9 @@ def test_engine_start_measures_the_cost_profile_once_and_caches_it(tiny_model_di
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     target = str(tiny_model_dir("qwen3"))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "verify_policy": "dspark"}
-    measured = LLM(target, max_model_len=128, speculative_config=spec).engine.speculator.planner.profile
+    llm = LLM(target, max_model_len=128, speculative_config=spec)
+    llm.generate([[7, 8, 9] * 5], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    measured = llm.engine.speculator.planner.profile  # measured between the steps, then the policy's
     (table,) = tmp_path.glob("profiles/*.json")
     assert table.with_suffix(".png").is_file()
     written = table.stat().st_mtime_ns

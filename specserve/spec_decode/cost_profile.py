@@ -13,7 +13,6 @@ import bisect
 import hashlib
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,20 +115,23 @@ def profile_key(target: TargetContext, drafter_model: str | None, num_draft_toke
         "draft_tokens": num_draft_tokens,
         "max_num_batched_tokens": target.max_num_batched_tokens,
         "context": DEFAULT_CONTEXT,
-        "schema": 2,  # 2: catch_up_s, warm-up, T(B) non-decreasing
+        "max_num_seqs": target.max_num_seqs,  # with the draft length, where the grid of B stops
+        "schema": 3,  # 2: catch_up_s, warm-up, T(B) non-decreasing; 3: the capped, refined grid
         # only when split, so that single-process profiles cached before keep their keys
         **({"tensor_parallel_size": target.tensor_parallel_size} if target.tensor_parallel_size > 1 else {}),
     }
 
 
-def cached_profile(key: dict, measure: Callable[[], CostProfile]) -> CostProfile:
-    """The profile cached under `key`, else `measure()`d now, saved there with its plot."""
+def cached_profile(key: dict) -> CostProfile | None:
+    """The profile measured before for `key`, if any."""
     path = cache_path(key)
-    if path.is_file():
-        return CostProfile.load(path)
-    logger.info("measuring the cost profile (cached in %s)", path)
-    profile = measure()
+    return CostProfile.load(path) if path.is_file() else None
+
+
+def save_cached_profile(key: dict, profile: CostProfile) -> Path:
+    """Keep `profile` as the one measured for `key`, with its plot."""
     profile.meta.update(key)
-    profile.save(path)
+    path = profile.save(cache_path(key))
     profile.plot(path.with_suffix(".png"))
-    return profile
+    logger.info("cost profile cached in %s", path)
+    return path

@@ -1,10 +1,23 @@
-"""Measuring an engine's cost table (`CostProfile`) before it serves: target steps of B tokens over the
-target's own runner and KV cache, at a realistic context length with the batch split into
-verification-sized pieces of several requests, and the drafter's rounds on fake requests."""
+"""Measuring an engine's cost table (`CostProfile`): target steps of B tokens over the target's own runner
+and KV cache, at a realistic context length with the batch split into verification-sized pieces of
+several requests, and the drafter's rounds on fake requests.
+
+Only the points the planner reads, and quickly. B goes no further than a step can hold (`max_num_seqs`
+requests verifying `k` drafts each, within `max_num_batched_tokens`): a coarse grid four times apart from
+1, each gap probed in its geometric middle and probed again where the probe left the straight line between
+its neighbours by more than `BEND` (where T(B) bends from flat to linear). Drafting rounds are timed at a
+grid four times apart in requests, on short prompts (a round's cost hardly depends on the context); what a
+backlog token costs the drafter, once, on one longer prompt.
+
+`CostProfiler` measures one point per `advance()`: the drafter's points before serving (its caches must be
+free), the target's between engine steps while the engine serves with a fixed k (`Speculator`), or all at
+once (`measure`, for `specserve profile`). Progress goes to stderr.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable
 
@@ -15,34 +28,33 @@ from specserve.config import SamplingParams
 from specserve.core.block_manager import BlockManager
 from specserve.core.sequence import Sequence
 from specserve.spec_decode.context import TargetContext
-from specserve.spec_decode.cost_profile import DEFAULT_CONTEXT, CostProfile, default_grid
+from specserve.spec_decode.cost_profile import DEFAULT_CONTEXT, CostProfile
 from specserve.spec_decode.drafters import Drafter
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
 PIECE_LEN = 8  # tokens per request in a profiled step (an anchor and 7 drafts)
 ACCEPTED_PER_ROUND = 4  # new context rows per request and round when timing a drafter (anchor + 3)
+GRID_STEP = 4  # between coarse points, in tokens and in requests
+BEND = 0.1  # a probe this far (relative) from the line through its neighbours is probed around again
+MAX_TARGET_POINTS = 14
+DRAFT_PROMPT = 32  # tokens of each fake request's prompt when timing drafting rounds
+CATCH_UP_PROMPT = 256  # tokens of the one prompt whose feed prices a backlog token
+REPEATS = 3
 
 
-def measure_target(
-    forward: Callable[[int, int], None], grid: list[int], repeats: int = 3, progress=None
-) -> list[float]:
-    """Median seconds of `forward(num_tokens, context)` at each B of the grid (progress: a tqdm or None),
-    after an untimed forward (the first ones page the weights in and warm the allocator). Each B's time
-    is capped at every larger B's: a larger batch never takes less time, and what makes a small B look
-    slower is disturbance (measured once: T(1) 0.42 s against T(4) 0.32 s, which made verifying extra
-    drafts look better than free)."""
-    forward(grid[0], DEFAULT_CONTEXT)
-    times = []
-    for b in grid:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            forward(b, DEFAULT_CONTEXT)
-            samples.append(time.perf_counter() - start)
-        times.append(sorted(samples)[len(samples) // 2])
-        if progress is not None:
-            progress.update(1)
-    return list(reversed(list(itertools.accumulate(reversed(times), min))))
+def coarse_grid(cap: int) -> list[int]:
+    """1, 4, 16, ... below `cap`, and `cap`."""
+    grid = [b for b in itertools.takewhile(lambda b: b < cap, (GRID_STEP**i for i in itertools.count()))]
+    return [*grid, cap]
+
+
+def median_seconds(run: Callable[[], None], repeats: int = REPEATS) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
 
 
 def fake_requests(num_requests: int, context: int, vocab_size: int) -> list[Sequence]:
@@ -78,44 +90,173 @@ def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
     return time.perf_counter() - begin
 
 
-@torch.inference_mode()
-def profile_costs(
-    target: TargetContext,
-    runner: ModelRunner,
-    block_manager: BlockManager,
-    drafter: Drafter,
-    num_draft_tokens: int,
-    repeats: int = 3,
-) -> CostProfile:
-    """Measure T(B) on the target's runner (before it serves anything: the step borrows free KV blocks) and
-    the drafter's round time by number of requests."""
-    context = min(DEFAULT_CONTEXT, target.max_model_len - PIECE_LEN - 1)
-    scratch = fake_requests(1, context + PIECE_LEN, target.vocab_size)[0]
-    block_manager.grow(scratch, context + PIECE_LEN)  # every piece reads the same blocks: timing only
+class CostProfiler:
+    """Measures an engine's `CostProfile` one point at a time (module docstring)."""
 
-    def forward(b: int, _context: int) -> None:
+    def __init__(
+        self,
+        target: TargetContext,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        drafter: Drafter,
+        num_draft_tokens: int,
+    ):
+        self.target, self.runner, self.blocks = target, runner, block_manager
+        self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.context = min(DEFAULT_CONTEXT, target.max_model_len - PIECE_LEN - 1)
+        schedulable = target.max_num_seqs * (num_draft_tokens + 1)
+        self.max_tokens = max(1, min(target.max_num_batched_tokens, schedulable))
+        self.steps: dict[int, float] = {}  # B -> seconds of a target step
+        self.pending = coarse_grid(self.max_tokens)  # B values still to measure, in order
+        self.last_probes: list[int] | None = None  # the latest round of probes (None: none yet)
+        self.draft_points = coarse_grid(target.max_num_seqs)
+        self.draft_s: dict[int, float] = {}
+        self.catch_up_s: float | None = None
+        self.scratch: Sequence | None = None  # the KV blocks the target's timed steps read
+        self.bar: tqdm | None = None
+
+    # ---- progress -----------------------------------------------------------------------------------------
+    def announce(self, while_serving: bool) -> None:
+        meanwhile = (
+            "; until it is done every request verifies all its drafts (verify_policy 'fixed')"
+            if while_serving
+            else ""
+        )
+        tqdm.write(
+            "[specserve] measuring the cost profile the load-aware verify policy needs (once, then cached): "
+            f"drafting rounds at {len(self.draft_points)} request counts, target steps at ~"
+            f"{len(self.pending) * 2 - 1} batch sizes up to {self.max_tokens} tokens{meanwhile}"
+        )
+        total = len(self.draft_points) + 1 + len(self.pending)
+        self.bar = tqdm(total=total, desc="cost profile", unit="point")
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def _tick(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(1)
+
+    @property
+    def done(self) -> bool:
+        return self.drafter_done and not self.pending
+
+    @property
+    def drafter_done(self) -> bool:
+        return len(self.draft_s) == len(self.draft_points) and self.catch_up_s is not None
+
+    # ---- measuring ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def advance(self) -> bool:
+        """Measure the next point (the drafter's first); False when it must wait (no free KV blocks for the
+        target's timed steps now). Call while `not done`."""
+        if not self.drafter_done:
+            self._measure_drafter_point()
+            return True
+        if self.scratch is None and not self._take_scratch():
+            return False
+        b = self.pending.pop(0)
+        self.steps[b] = self._time_target(b)
+        self._tick(f"T({b}) {self.steps[b] * 1e3:.0f} ms")
+        if not self.pending:
+            self.pending = self._probes()
+        if not self.pending:
+            self.blocks.free(self.scratch)
+            self.scratch = None
+            self.close_progress()
+        return True
+
+    def measure(self) -> CostProfile:
+        """Every point now (before the engine serves anything)."""
+        while not self.done:
+            if not self.advance():
+                raise RuntimeError("no free KV blocks to profile the target with")
+        return self.profile()
+
+    def profile(self) -> CostProfile:
+        batch = sorted(self.steps)
+        times = [self.steps[b] for b in batch]
+        # A larger batch never takes less time: what makes a small B look slower is disturbance (measured
+        # once: T(1) 0.42 s against T(4) 0.32 s, which made verifying extra drafts look better than free).
+        times = list(reversed(list(itertools.accumulate(reversed(times), min))))
+        requests = sorted(self.draft_s)
+        return CostProfile(
+            batch,
+            times,
+            requests,
+            [self.draft_s[r] for r in requests],
+            self.catch_up_s or 0.0,
+            meta={"context": self.context},
+        )
+
+    def _take_scratch(self) -> bool:
+        needed = self.context + PIECE_LEN
+        scratch = fake_requests(1, needed, self.target.vocab_size)[0]
+        if not self.blocks.can_grow(scratch, needed):
+            return False
+        self.blocks.grow(scratch, needed)  # every piece reads the same blocks: timing only
+        self.scratch = scratch
+        # untimed: the first forward pages the weights in and warms the allocator
+        self._forward(1)
+        return True
+
+    def _forward(self, b: int) -> None:
         sizes = [PIECE_LEN] * (b // PIECE_LEN) + ([b % PIECE_LEN] if b % PIECE_LEN else [])
-        # Slot 0 for every piece (hybrid models): timing only, and prefills start from a zero state.
-        pieces = [PieceInput([5] * n, context, scratch.block_table, state_slot=0) for n in sizes]
-        runner.forward(pieces, range(b))  # logits at every row, as verification needs
+        table = self.scratch.block_table
+        pieces = [PieceInput([5] * n, self.context, table, state_slot=0) for n in sizes]
+        self.runner.forward(pieces, range(b))  # logits at every row, as verification needs
 
-    grid = default_grid(target.max_num_batched_tokens)
-    request_grid = default_grid(target.max_num_seqs)
-    with tqdm(total=len(grid) + len(request_grid), desc="profiling SPS(B)", leave=False) as bar:
+    def _time_target(self, b: int) -> float:
+        # Hybrid targets: slot 0 may be a running request's; its state is put back after the timed steps.
+        saved = self.runner.save_states(0) if self.target.model.has_recurrent_state else None
         try:
-            step_s = measure_target(forward, grid, repeats, bar)
+            return median_seconds(lambda: self._forward(b))
         finally:
-            block_manager.free(scratch)
-        draft_s, catch_up_s = [], []
-        for r in request_grid:
-            seqs = fake_requests(r, context, target.vocab_size)
-            primed_s = prime_drafter(drafter, seqs, num_draft_tokens)
-            rounds = sorted(time_draft_round(drafter, seqs, num_draft_tokens) for _ in range(repeats))
-            draft_s.append(rounds[repeats // 2])
-            # The first round fed whole prompts where the timed ones feed ACCEPTED_PER_ROUND tokens each.
-            catch_up_s.append((primed_s - draft_s[-1]) / (r * (context - ACCEPTED_PER_ROUND)))
+            if saved is not None:
+                self.runner.restore_states(0, saved)
+
+    def _probes(self) -> list[int]:
+        """The next B values: after the coarse grid, every gap's geometric middle; after a round of probes,
+        the middles of the gaps beside each probe that left the line through its neighbours by more than
+        BEND. At most MAX_TARGET_POINTS in all."""
+        measured = sorted(self.steps)
+        if self.last_probes is None:
+            gaps = list(zip(measured, measured[1:]))
+        else:
+            gaps = []
+            for m in self.last_probes:
+                a, b = measured[measured.index(m) - 1], measured[measured.index(m) + 1]
+                line = self.steps[a] + (self.steps[b] - self.steps[a]) * (m - a) / (b - a)
+                if abs(self.steps[m] - line) > BEND * self.steps[m]:
+                    gaps += [(a, m), (m, b)]
+        middles = {round(math.sqrt(lo * hi)) for lo, hi in gaps} - set(measured)
+        self.last_probes = sorted(middles)[: max(0, MAX_TARGET_POINTS - len(measured))]
+        if self.bar is not None:
+            self.bar.total = self.bar.n + len(self.last_probes)
+        return list(self.last_probes)
+
+    def _measure_drafter_point(self) -> None:
+        vocab = self.target.vocab_size
+        if self.catch_up_s is None:  # what a backlog token costs: one long prompt against a usual round
+            (seq,) = fake_requests(1, CATCH_UP_PROMPT, vocab)
+            try:
+                primed = prime_drafter(self.drafter, [seq], self.num_draft_tokens)
+                round_s = time_draft_round(self.drafter, [seq], self.num_draft_tokens)
+            finally:
+                self.drafter.release(seq)
+            self.catch_up_s = max(primed - round_s, 0.0) / (CATCH_UP_PROMPT - ACCEPTED_PER_ROUND)
+            self._tick(f"catch-up {self.catch_up_s * 1e3:.2f} ms/token")
+            return
+        r = self.draft_points[len(self.draft_s)]
+        seqs = fake_requests(r, DRAFT_PROMPT, vocab)
+        try:
+            prime_drafter(self.drafter, seqs, self.num_draft_tokens)
+            rounds = [time_draft_round(self.drafter, seqs, self.num_draft_tokens) for _ in range(REPEATS)]
+        finally:
             for seq in seqs:
-                drafter.release(seq)
-            bar.update(1)
-    catch_up = max(sorted(catch_up_s)[len(catch_up_s) // 2], 0.0)
-    return CostProfile(grid, step_s, request_grid, draft_s, catch_up, meta={"context": context})
+                self.drafter.release(seq)
+        self.draft_s[r] = sorted(rounds)[REPEATS // 2]
+        self._tick(f"drafting {r} requests {self.draft_s[r] * 1e3:.0f} ms")

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.batch import PieceResult, StepBatch, StepLayout
@@ -26,10 +27,10 @@ from specserve.layers.gated_deltanet import RECURRENT_MAX_LEN
 from specserve.spec_decode.calibration.offline import VerificationRecords
 from specserve.spec_decode.calibration.online import LiveCalibration, Recalibration
 from specserve.spec_decode.context import TargetContext
-from specserve.spec_decode.cost_profile import CostProfile, cached_profile, profile_key
+from specserve.spec_decode.cost_profile import CostProfile, cached_profile, profile_key, save_cached_profile
 from specserve.spec_decode.drafters import build_drafter
-from specserve.spec_decode.planner import build_planner, survival
-from specserve.spec_decode.profiler import profile_costs
+from specserve.spec_decode.planner import FixedPlanner, VerifyPlanner, build_planner, survival
+from specserve.spec_decode.profiler import CostProfiler
 from specserve.worker.model_runner import ModelRunner
 
 SCHEDULED_POLICIES = ("dspark", "dspark_async")
@@ -68,13 +69,23 @@ class Speculator:
         self.recalibration = Recalibration()  # realised acceptance by position and raw confidence
         self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
         self.verification_records: VerificationRecords | None = None  # set to collect STS data
-        self.planner = build_planner(
-            config,
-            self._cost_profile(runner, block_manager),
-            self.num_draft_tokens,
-            self.recalibration,
-            self.drafter.has_confidence_head,
-        )
+        # The scheduled policies' cost profile: the configured file, else the one cached for this model /
+        # dtype / threads / drafter, else measured now: the drafter's points at once, the target's one per
+        # step while every request verifies all its drafts (the `fixed` policy), which pays at low load.
+        self.profiler: CostProfiler | None = None
+        profile = None
+        if config.verify_policy in SCHEDULED_POLICIES:
+            profile = CostProfile.load(config.cost_profile) if config.cost_profile else None
+            profile = profile or cached_profile(self.profile_key())
+            if profile is None:
+                self.profiler = CostProfiler(
+                    target, runner, block_manager, self.drafter, self.num_draft_tokens
+                )
+                self.profiler.announce(while_serving=True)
+                while not self.profiler.drafter_done:
+                    self.profiler.advance()
+                self.profiler.close_progress()  # the rest goes on between steps, in silence
+        self.planner = self._planner(profile) if self.profiler is None else FixedPlanner()
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -84,16 +95,31 @@ class Speculator:
         return profile_key(self.target, self.config.model, self.num_draft_tokens)
 
     def measure_profile(self, runner: ModelRunner, block_manager: BlockManager) -> CostProfile:
-        return profile_costs(self.target, runner, block_manager, self.drafter, self.num_draft_tokens)
+        """The whole cost profile now (the one being measured, finished), before anything is served."""
+        profiler = self.profiler
+        if profiler is None:
+            profiler = CostProfiler(self.target, runner, block_manager, self.drafter, self.num_draft_tokens)
+            profiler.announce(while_serving=False)
+        return profiler.measure()
 
-    def _cost_profile(self, runner: ModelRunner, block_manager: BlockManager) -> CostProfile | None:
-        """The SPS table the scheduled verify policies need: the configured file, else the cached
-        measurement for this model / dtype / threads / drafter, else measured now (and cached)."""
-        if self.config.verify_policy not in SCHEDULED_POLICIES:
-            return None
-        if self.config.cost_profile:
-            return CostProfile.load(self.config.cost_profile)
-        return cached_profile(self.profile_key(), lambda: self.measure_profile(runner, block_manager))
+    def _planner(self, profile: CostProfile | None) -> VerifyPlanner:
+        return build_planner(
+            self.config, profile, self.num_draft_tokens, self.recalibration, self.drafter.has_confidence_head
+        )
+
+    def _advance_profile(self) -> None:
+        """One more point of the cost profile being measured; once it is whole, it is cached and the
+        configured policy takes over from `fixed`."""
+        if not self.profiler.advance() or not self.profiler.done:
+            return
+        profile = self.profiler.profile()
+        path = save_cached_profile(self.profile_key(), profile)
+        tqdm.write(
+            f"[specserve] cost profile measured ({len(profile.batch_tokens)} batch sizes, cached in {path}): "
+            f"verify_policy {self.config.verify_policy!r} from the next step"
+        )
+        self.planner = self._planner(profile)
+        self.profiler = None
 
     # ---- before the forward -----------------------------------------------------------------------------
     def propose(self, decoding: list[Sequence], load: int) -> VerifyPlan | None:
@@ -106,6 +132,8 @@ class Speculator:
         at c = 64: the first request of a wave, alone, drafted 7 tokens a step for 0.9 s while 63 prompts
         waited). The prompt chunks themselves are work done anyway: counted as tokens that emit nothing,
         they made any step with a prefill look slow, and drafting look cheap."""
+        if self.profiler is not None:
+            self._advance_profile()
         if not decoding:
             return None
         start = time.perf_counter()
