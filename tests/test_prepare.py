@@ -8,7 +8,8 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers import kernels
-from specserve.models import loader
+from specserve.models import loader, prepare
+from specserve.models.base import CausalLM
 from specserve.models.prepare import PreparedWeights
 
 ARCHS = ["qwen2", "qwen3_moe", "gemma3", "qwen3_5"]  # tied heads (qwen2, gemma3), experts, a hybrid
@@ -32,6 +33,7 @@ def test_a_cached_load_computes_what_a_fresh_one_does(
 ):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "float32")
+    monkeypatch.setattr(prepare, "MIN_CACHED_BYTES", 0)  # the tiny models are cached too
     model_dir = tiny_model_dir(arch)
     fresh = greedy(model_dir, quantization)
     cache = cache_for(model_dir, quantization)
@@ -43,7 +45,7 @@ def test_a_cached_load_computes_what_a_fresh_one_does(
     def no_source_reads(*args, **kwargs):
         raise AssertionError("a cached load read the source weights")
 
-    monkeypatch.setattr(loader, "iter_checkpoint_tensors", no_source_reads)
+    monkeypatch.setattr(CausalLM, "load_weights", no_source_reads)
     assert greedy(model_dir, quantization) == fresh
 
 
@@ -59,3 +61,11 @@ def test_the_key_follows_the_source_and_the_settings(tiny_model_dir, tmp_path, m
     for f in model_dir.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
     assert cache_for(copy, "int4").directory != int4  # other files (path, size or time) are another source
+
+
+def test_small_models_are_not_cached(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    model_dir = tiny_model_dir("qwen3")
+    assert PreparedWeights.for_source(loader._safetensors_files(model_dir), "int4", torch.float32) is None
+    loader.load_model(str(model_dir), quantization="int4")
+    assert not (tmp_path / "prepared").exists()

@@ -317,7 +317,7 @@ def load_model(
     source = gguf.gguf_source(model_dir) if quantization and world_size == 1 else None
     cache = None
     if quantization and world_size == 1:  # a rank's shard is quantized from its fp32 part each time
-        cache = PreparedWeights(
+        cache = PreparedWeights.for_source(
             [*_safetensors_files(model_dir), *([source] if source else [])], quantization, dtype
         )
     if cache is not None and cache.exists():

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # of the files below; the key also hashes the code that defines the layers' buffers
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
+MIN_CACHED_BYTES = 64 << 20  # of source files: smaller models are quantized each time
 _LAYER_CLASSES = {"Int4Linear": Int4Linear, "Int8Linear": Int8Linear}
 
 
@@ -91,6 +92,16 @@ class PreparedWeights:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
         self.key = key
         self.directory = cache_root() / "prepared" / digest
+
+    @classmethod
+    def for_source(
+        cls, source_files: list[Path], quantization: str, dtype: torch.dtype
+    ) -> PreparedWeights | None:
+        """The cache entry for these source files, or None for a small model (quantized in under a second:
+        not worth the disk, and test models would only pile up there)."""
+        if sum(p.stat().st_size for p in source_files) < MIN_CACHED_BYTES:
+            return None
+        return cls(source_files, quantization, dtype)
 
     def exists(self) -> bool:
         return (self.directory / MANIFEST_FILE).is_file() and (self.directory / WEIGHTS_FILE).is_file()
@@ -154,32 +165,35 @@ class PreparedWeights:
 
     # ---- reading ------------------------------------------------------------------------------------------
     def load_into(self, model: nn.Module) -> None:
-        """Fill `model` (built, its weights unread) with the cached form: its parameters and buffers, and its
-        quantized layers rebuilt from their kernel buffers. `prepare_model` then fuses, packs and moves."""
-        from safetensors import safe_open
+        """Fill `model` (built, its weights unread) with the cached form: its parameters and buffers copied
+        in, its quantized layers rebuilt from their kernel buffers. A file handle per tensor, as a source
+        load: the file's pages leave the process as it goes. `prepare_model` then fuses, packs and moves."""
+        from specserve.models.loader import iter_checkpoint_tensors
 
         manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
-        with safe_open(str(self.directory / WEIGHTS_FILE), framework="pt", device="cpu") as fh:
-            names = set(fh.keys())  # noqa: SIM118 (not a mapping)
-            quantized = {name for layer in manifest["layers"] for name in layer["names"]}
-            own = {n for n in names if n.rpartition(".")[0] not in quantized}
-            with torch.no_grad():
-                for name in own:
-                    _set_tensor(model, name, fh.get_tensor(name))
-            tie = getattr(model, "tie_weights", None)
-            if tie is not None:
-                tie()  # before the layers below: a tied head may be one of them (its quantized copy)
-            for name, source in manifest["aliases"].items():  # what tie_weights did not tie again
-                tensor = _get_tensor(model, source)
-                if _get_tensor(model, name) is not tensor:
-                    _set_tensor(model, name, tensor, alias=True)
-            for layer in manifest["layers"]:
-                first = layer["names"][0]
-                cls = _LAYER_CLASSES[layer["class"]]
-                buffers = {name: fh.get_tensor(f"{first}.{name}") for name in cls.KERNEL_BUFFERS}
-                bias = fh.get_tensor(f"{first}.bias") if f"{first}.bias" in names else None
-                new = cls.from_kernel_buffers(buffers, layer["in_features"], layer["group_size"], bias)
-                replace_module(model, layer["names"], new)
+        layers = {layer["names"][0]: layer for layer in manifest["layers"]}
+        buffers: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in iter_checkpoint_tensors(self.directory):
+                if name.rpartition(".")[0] in layers:
+                    buffers[name] = tensor.clone()  # a storage of its own, not a view of the file
+                else:
+                    _get_tensor(model, name).copy_(tensor)
+        tie = getattr(model, "tie_weights", None)
+        if tie is not None:
+            tie()  # before the layers below: a tied head may be one of them (its quantized copy)
+        for name, source in manifest["aliases"].items():  # what tie_weights did not tie again
+            tensor = _get_tensor(model, source)
+            if _get_tensor(model, name) is not tensor:
+                _set_tensor(model, name, tensor)
+        for first, layer in layers.items():
+            cls = _LAYER_CLASSES[layer["class"]]
+            kernel = {name: buffers[f"{first}.{name}"] for name in cls.KERNEL_BUFFERS}
+            bias = buffers.get(f"{first}.bias")
+            if bias is not None:  # a parameter, as the source's bias is in a freshly quantized layer
+                bias = nn.Parameter(bias, requires_grad=False)
+            new = cls.from_kernel_buffers(kernel, layer["in_features"], layer["group_size"], bias)
+            replace_module(model, layer["names"], new)
 
 
 def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -187,14 +201,12 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return getattr(model.get_submodule(owner), leaf)
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, alias: bool = False) -> None:
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `name` the very tensor `tensor` (an alias, as a tie)."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     if leaf in owner._parameters:
-        if alias:
-            owner._parameters[leaf] = tensor
-        else:
-            owner._parameters[leaf].data = tensor
+        owner._parameters[leaf] = tensor
     elif leaf in owner._buffers:
         owner._buffers[leaf] = tensor
     else:
