@@ -57,11 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     params = sampling_params(args)
-    t_load = time.monotonic()
-    llm = LLM(**engine_kwargs(args))
-    config = llm.engine.config
-    loaded = f"{args.model} in {time.monotonic() - t_load:.1f}s, {config.dtype} ({config.dtype_reason})"
-    print(f"[loaded {loaded}]", file=sys.stderr)
+    llm = LLM(**engine_kwargs(args))  # says on stderr what it loads, how long it took and what it chose
     if args.chat and not getattr(llm.tokenizer, "chat_template", None):
         raise SpecserveError(
             f"{args.model} has no chat template (a base model): drop --chat to complete the prompt as it is"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import resource
+import sys
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
@@ -14,13 +17,31 @@ from specserve.engine.outputs import RequestOutput
 Message = dict[str, str]
 
 
+def loaded_line(engine: LLMEngine, seconds: float) -> str:
+    """What a load took and chose: time, the process's peak memory so far, dtype and why."""
+    config = engine.config
+    quantized = f", {config.quantization} weights" if config.quantization else ""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return (
+        f"loaded {config.model} in {seconds:.1f} s, peak memory {peak / 2**30:.1f} GiB{quantized}, "
+        f"{config.dtype} ({config.dtype_reason})"
+    )
+
+
 class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching."""
 
     def __init__(
         self, model: str, speculative_config: SpeculativeConfig | dict | str | None = None, **engine_args
     ):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), speculative_config)
+        """Loads `model` (progress on stderr: a first load converts or quantizes, later ones map a cache)."""
+        config = EngineConfig(model=model, **engine_args)
+        start = time.monotonic()
+        print(f"[specserve] loading {model} ...", file=sys.stderr, flush=True)
+        self.engine = LLMEngine(config, speculative_config)
+        print(
+            f"[specserve] {loaded_line(self.engine, time.monotonic() - start)}", file=sys.stderr, flush=True
+        )
 
     @property
     def tokenizer(self):

@@ -11,6 +11,7 @@ import uvicorn
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
+from specserve.llm import loaded_line
 from specserve.server.app import build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.limits import ServerLimits, http_protocol
@@ -89,8 +90,10 @@ def serve(
     """Serve `model` until SIGTERM or Ctrl-C; returns the exit status. `engine_args` go to EngineConfig."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = limits or ServerLimits()
+    start = time.monotonic()
+    logger.info("loading %s ...", model)
     engine = LLMEngine(EngineConfig(model=model, **engine_args), speculative_config)
-    logger.info("loaded %s in %s (%s)", model, engine.config.dtype, engine.config.dtype_reason)
+    logger.info("%s", loaded_line(engine, time.monotonic() - start))
     async_engine = AsyncEngine(
         engine,
         max_waiting=max_waiting,
