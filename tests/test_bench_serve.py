@@ -338,3 +338,20 @@ def test_shipped_sweep_configs_load(path):
     assert config.configurations
     for server in config.configurations:
         SpeculativeConfig.from_value(server.speculative_config)  # a typo fails here, not an hour into a sweep
+
+
+def test_pareto_labels_each_crowd_of_one_concurrency_once():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specserve.bench.serve.report import _label_concurrency
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ax.plot([0, 10], [0, 10])
+    # two configurations at c = 64 on (almost) the same spot, c = 16 apart, another c = 64 far away
+    _label_concurrency(ax, [(64, (1.0, 9.0)), (64, (1.02, 9.01)), (16, (1.05, 9.0)), (64, (8.0, 2.0))])
+    labels = sorted((t.get_text(), t.xy) for t in ax.texts)
+    plt.close(fig)
+    assert labels == [("16", (1.05, 9.0)), ("64", (1.02, 9.01)), ("64", (8.0, 2.0))]

@@ -63,6 +63,17 @@ def test_markdown_links_resolve(path: Path):
     assert not broken, f"{path.relative_to(ROOT)} links to what the repository lacks: {broken}"
 
 
+def test_every_result_picture_is_shown_somewhere():
+    shown = set()
+    for doc in (p for p in tracked_texts() if p.suffix == ".md"):
+        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", doc.read_text()):
+            shown.add((doc.parent / target).resolve())
+    pictures = sorted((ROOT / "benchmarks" / "results").rglob("*.png"))
+    assert pictures
+    hidden = [p.relative_to(ROOT).as_posix() for p in pictures if p.resolve() not in shown]
+    assert not hidden, f"embed these where their numbers are discussed: {hidden}"
+
+
 def test_the_eval_sets_are_in_the_repository():
     data = ROOT / "benchmarks" / "data"
     for name, prompts in (("humaneval", 164), ("mbpp", 257), ("gsm8k", 1319), ("mt-bench", 80)):

@@ -11,6 +11,7 @@ every point of the segment between them.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -94,14 +95,15 @@ def plot_pareto(runs: list[dict], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
+    marked: list[tuple[int, tuple[float, float]]] = []
     for label in labels_in_order(runs):
         points = operating_points(runs, label)
         if not points:
             continue
         xs, ys = zip(*(point for _, point in points))
         ax.plot(xs, ys, marker="o", label=label)
-        for concurrency, (x, y) in points:
-            ax.annotate(str(concurrency), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        marked += points
+    _label_concurrency(ax, marked)
     ax.set_xlabel("tokens/s per user (median of 1 / TPOT)")
     ax.set_ylabel("output tokens/s per device")
     ax.set_title(title, fontsize=10)
@@ -111,6 +113,22 @@ def plot_pareto(runs: list[dict], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=150)
     plt.close(fig)
     return path
+
+
+LABEL_CROWD_PX = 24  # points of one concurrency closer than this (on the figure) share one label
+
+
+def _label_concurrency(ax, points: list[tuple[int, tuple[float, float]]]) -> None:
+    """Each point's concurrency beside it, once where points of the same concurrency crowd together: a label
+    each wrote "64 64" over one another where configurations coincide."""
+    ax.autoscale_view()  # the final limits, so that distances on the figure are known
+    shown: list[tuple[int, float, float]] = []
+    for concurrency, (x, y) in sorted(points, key=lambda p: (-p[1][1], -p[1][0])):  # the top point labels
+        px, py = ax.transData.transform((x, y))
+        if any(c == concurrency and math.hypot(px - sx, py - sy) < LABEL_CROWD_PX for c, sx, sy in shown):
+            continue
+        shown.append((concurrency, px, py))
+        ax.annotate(str(concurrency), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
 
 
 def markdown_report(runs: list[dict], anchors: Anchors, title: str) -> str:
