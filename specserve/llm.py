@@ -17,11 +17,25 @@ from specserve.engine.outputs import RequestOutput
 Message = dict[str, str]
 
 
+def peak_memory_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM (it starts afresh at exec, where getrusage's
+    maxrss keeps the pages of the parent a process was forked from), else getrusage's."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
 def loaded_line(engine: LLMEngine, seconds: float) -> str:
     """What a load took and chose: time, the process's peak memory so far, dtype and why."""
     config = engine.config
     quantized = f", {config.quantization} weights" if config.quantization else ""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = peak_memory_bytes()
     return (
         f"loaded {config.model} in {seconds:.1f} s, peak memory {peak / 2**30:.1f} GiB{quantized}, "
         f"{config.dtype} ({config.dtype_reason})"

@@ -185,13 +185,15 @@ def test_gguf_checked_before_conversion(tmp_path, monkeypatch):
 
 # ---- the CLI: the acceptance's errors, in a process of its own, under 1 GB -------------------------------
 
+# The peak of this process's own address space (VmHWM starts afresh at exec; getrusage's maxrss counts the
+# parent's pages the child was forked with: a pytest process of 1.4 GB made every child look that large).
 PROBE = """
-import contextlib, io, json, resource, sys
+import contextlib, io, json, re, sys
 from specserve.cli import main
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
     code = main(sys.argv[1:])
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
 print(json.dumps({"code": code, "err": err.getvalue(), "peak": peak}))
 """
 

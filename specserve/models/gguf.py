@@ -606,12 +606,14 @@ def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, tor
     A replaced layer's fp32 weight is never written, so (allocated uninitialised) it never takes memory.
     Layers the file does not hold (a head tied to the embedding) are left for `quantize_model`."""
     from gguf import GGUFReader
+    from tqdm.auto import tqdm
 
     reader = GGUFReader(str(gguf_path))
     plan = plan_tensors(reader, _Meta(reader).arch)
     targets = {f"{n}.weight": names for names in quantizable_linears(model, mode) for n in names}
     rest = []
-    for p in plan:
+    # slow where blocks are requantized (Q6_K, Q5_0: numpy); the result is cached (models/prepare.py)
+    for p in tqdm(plan, desc=f"{mode} weights from {gguf_path.name}", unit="tensor", leave=False):
         names = targets.get(p.hf_name)
         if names is None:
             rest.append(p)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -55,6 +56,10 @@ def prepare_model(
     if quantization is not None:
         quantize_model(model, quantization, fuse=False)
         if cache is not None and not cache.exists():
+            print(
+                f"[specserve] caching the {quantization} weights (once: later loads map them)",
+                file=sys.stderr,
+            )
             cache.save(model)
     fuse_projections(model)
     pack_linears(model)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
