@@ -49,6 +49,15 @@ class StructuredOutputsParams:
             )
             self.choice = list(self.choice)
 
+    @property
+    def kind(self) -> str:
+        """The key that holds the constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+        )
+
     @classmethod
     def from_value(cls, value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
         if value is None or isinstance(value, cls):

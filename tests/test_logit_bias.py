@@ -9,7 +9,14 @@ import pytest
 
 from specserve import LLM, SamplingParams, SpecserveError
 from tests.server_harness import make_client
-from tests.tiny_models import build_reference, save_byte_tokenizer, save_tiny_chat_model
+from tests.tiny_models import (
+    HYBRID_ARCHS,
+    build_reference,
+    save_byte_tokenizer,
+    save_tiny_chat_model,
+    save_tiny_model,
+    save_tiny_mtp,
+)
 
 PROMPTS = ["Answer:", "abcabcabc abcabc", "[1, 2, 3, 1, 2"]
 
@@ -98,3 +105,37 @@ def test_the_server_maps_logit_bias(chat_dir):
                 client.completions.create(logit_bias=bias, **ask)
         answer = httpx.post(f"{srv.url}/v1/completions", json={**ask, "logit_bias": {"5": "high"}})
         assert answer.status_code == 400 and "logit_bias" in answer.text
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return str(save_tiny_mtp(save_tiny_model(HYBRID_ARCHS[0], tmp_path_factory.mktemp("mtp"))))
+
+
+@pytest.mark.parametrize(
+    "drafter, transform",
+    [
+        ("draft_model_self", {"logit_bias": {ord("q"): 30.0}}),
+        ("draft_model_self", {"structured_outputs": {"regex": "[a-e]{60}"}}),
+        ("mtp", {"logit_bias": {7: 30.0}}),
+    ],
+)
+def test_drafts_are_sampled_under_the_requests_transforms(drafter, transform, chat_dir, mtp_dir):
+    # A drafter that is the target itself proposes what the target samples, once its drafts see the same
+    # bias and mask as the target's rows: nearly every draft is accepted (unbiased, unmasked drafts of a
+    # +30 bias or a 5-letter regex are nearly all rejected). The outputs are right either way.
+    if drafter == "mtp":  # drafts from the target's own multi-token-prediction layer
+        model, spec, prompt = mtp_dir, {"method": "mtp", "num_speculative_tokens": 3}, [[5, 6, 7, 8]]
+    else:
+        model, spec = chat_dir, {"method": "draft_model", "model": chat_dir, "num_speculative_tokens": 3}
+        prompt = ["Answer:"]
+    llm = LLM(model, max_model_len=128, speculative_config=spec)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, **transform)
+    out = llm.generate(prompt, params)[0].outputs[0]
+    if "logit_bias" in transform:
+        assert set(out.token_ids) == set(transform["logit_bias"])
+    else:
+        assert set(out.text) <= set("abcde"), out.text
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens >= 20
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats

@@ -349,10 +349,10 @@ def test_special_tokens_in_content_are_control_tokens_by_default(server):
     assert not ServerLimits().reject_special_tokens_in_content  # as vLLM
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": INJECTION}]})
     generation = ChatGeneration(body, "tiny", server.engine.tokenizer)
-    ids = generation.prompt_token_ids()["prompt_token_ids"]
+    ids = server.engine.tokenizer(generation.rendered().text, add_special_tokens=False).input_ids
     assert ids.count(IM_START) == 3  # the template's user and assistant turns, and the injected one
     strict = ChatGeneration(
         body, "tiny", server.engine.tokenizer, special_tokens=special_token_pattern(server.engine.tokenizer)
     )
     with pytest.raises(SpecserveError, match="special token"):
-        strict.prompt_token_ids()
+        strict.rendered()

@@ -249,8 +249,7 @@ HISTORY = [
 def rendered(directory, fmt, **body) -> str:
     tokenizer = tokenizer_of(directory)
     request = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS, **body})
-    ids = ChatGeneration(request, "tiny", tokenizer, tool_format=fmt).prompt_token_ids()["prompt_token_ids"]
-    return tokenizer.decode(ids)
+    return ChatGeneration(request, "tiny", tokenizer, tool_format=fmt).rendered().text
 
 
 def test_hermes_templates_render_the_tools_and_the_calls(hermes_dir):

@@ -14,6 +14,7 @@ import transformers
 from specserve import LLM, SamplingParams, SpecserveError
 from specserve.config import StructuredOutputsParams
 from specserve.structured.masks import allowed_tokens
+from specserve.structured.schema import admits_a_value, embed, json_size
 from tests.server_harness import make_client
 from tests.test_lossless import chi_square_pvalue
 from tests.tiny_models import build_reference, save_byte_tokenizer, save_tiny_chat_model
@@ -273,7 +274,7 @@ def test_the_server_maps_response_format_and_structured_outputs(chat_dir):
         reply = client.chat.completions.create(extra_body={"structured_outputs": CONSTRAINTS["json"]}, **ask)
         assert reply.choices[0].finish_reason == "stop"
         check("json", reply.choices[0].message.content)
-        with pytest.raises(openai.BadRequestError, match="structured_outputs.json: .*objectx"):
+        with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema: .*objectx"):
             client.chat.completions.create(
                 response_format={
                     "type": "json_schema",
@@ -291,3 +292,75 @@ def test_the_server_maps_response_format_and_structured_outputs(chat_dir):
             client.completions.create(
                 model=MODEL_NAME, prompt="x", extra_body={"structured_outputs": {"jsn": 1}}
             )
+
+
+# ---- JSON schemas as users write them ---------------------------------------------------------------------
+def test_an_embedded_schema_keeps_its_references():
+    schema = {
+        "$defs": {"A": {"type": "string"}},
+        "properties": {
+            "a": {"$ref": "#/$defs/A"},
+            "again": {"$ref": "#"},
+            "remote": {"$ref": "https://example.com/s.json"},
+            "data": {"const": {"$ref": "#"}},  # a value, not a reference
+        },
+    }
+    embedded = embed(schema, "/anyOf/0/properties/arguments")
+    properties = embedded["properties"]
+    assert properties["a"] == {"$ref": "#/anyOf/0/properties/arguments/$defs/A"}
+    assert properties["again"] == {"$ref": "#/anyOf/0/properties/arguments"}
+    assert properties["remote"] == {"$ref": "https://example.com/s.json"}
+    assert properties["data"] == {"const": {"$ref": "#"}}
+    assert schema["properties"]["a"] == {"$ref": "#/$defs/A"}  # the original is untouched
+
+
+NODE = {"type": "object", "properties": {"next": {"$ref": "#"}}}
+
+
+@pytest.mark.parametrize(
+    "schema, has_value",
+    [
+        ({"$ref": "#"}, False),
+        ({**NODE, "required": ["next"]}, False),  # every node needs another
+        (NODE, True),  # a list that may end
+        ({"type": "array", "items": {"$ref": "#"}}, True),  # [] ends it
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, False),
+        ({"anyOf": [{"$ref": "#"}, {"type": "null"}]}, True),
+        ({"allOf": [{"$ref": "#/$defs/x"}], "$defs": {"x": {"$ref": "#"}}}, False),
+        ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, False),
+        ({"$ref": "#/$defs/missing"}, True),  # llguidance reports that one itself
+        ({"properties": {"x": {"$ref": "#"}}, "required": ["x"]}, True),  # no "type": a number will do
+        ({"enum": [{"x": 1}], "$ref": "#"}, True),  # values given outright
+        (False, False),
+    ],
+)
+def test_schemas_that_no_finite_value_satisfies_are_found(schema, has_value):
+    assert admits_a_value(schema) is has_value
+
+
+def test_json_size_counts_compact_json_until_past_the_limit():
+    value = {"type": "object", "enum": ["ab", "é", 1.5, None, True, [1, {"k": "v"}]]}
+    exact = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    assert json_size(value, 10**6) == exact
+    assert json_size(["x" * 100] * 10**6, 1000) > 1000
+
+
+def test_a_schema_that_matches_nothing_is_a_clear_error(chat_dir):
+    llm = LLM(chat_dir, max_model_len=64)
+    with pytest.raises(SpecserveError, match="structured_outputs.json: no JSON value satisfies"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"json": {"$ref": "#"}}))
+    with pytest.raises(SpecserveError, match="structured_outputs.grammar: matches no text"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"grammar": "start: /[^\\x00-\\U0010FFFF]/"}))
+
+
+def test_draft_masks_past_the_end_of_a_constraint_leave_the_matcher_where_it_was(chat_dir):
+    # A matcher that has stopped takes the end-of-sequence token without recording it: rolling back the
+    # masks' tokens must not count it, or it undoes a token the request committed.
+    llm = LLM(chat_dir, max_model_len=64)
+    y, e, s = llm.engine.tokenizer.encode("yes", add_special_tokens=False)
+    eos = min(llm.engine.eos_token_ids)
+    for masks in (lambda g: g.masks([e, s, eos]), lambda g: g.mask_after([e, s, eos])):
+        grammar = llm.engine.grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))
+        assert grammar.accept(y)
+        masks(grammar)
+        assert grammar.accept(e) and grammar.accept(s) and grammar.finished

@@ -31,7 +31,7 @@ from specserve.parallel.executor import TensorParallelExecutor
 from specserve.preflight import check_before_loading, effective_max_model_len
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
-from specserve.structured.grammar import GrammarCompiler
+from specserve.structured.grammar import GrammarCompiler, RequestGrammar
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_cache_blocks, state_checkpoint_slots
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -146,15 +146,20 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def make_sequence(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> Sequence:
-        """Validate a request completely (nothing runs yet)."""
+        """Validate a request completely (nothing runs yet). `grammar`: its output constraint compiled
+        beforehand (the server compiles off the engine thread); otherwise it is compiled here."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise SpecserveError(f"request id {request_id!r} is already in use")
         seq = self.input_processor.process(prompt, params, request_id)
         if params.structured_outputs is not None:
-            seq.grammar = self.grammars.compile(params.structured_outputs)
+            seq.grammar = grammar or self.grammars.compile(params.structured_outputs)
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from specserve.core.batch import PieceResult, ScheduledPiece, StepLayout, verify_row_starts
 from specserve.core.sequence import Sequence
-from specserve.layers.sampler import SampleOutput, SamplingBatch, raw_logprobs, sample
+from specserve.layers.sampler import SampleOutput, SamplingBatch, add_logit_bias, raw_logprobs, sample
 from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
 from specserve.structured.masks import mask_logits
 
@@ -52,9 +52,7 @@ class StepSampler:
             return logits
         logits = logits.clone()
         for i in biased:
-            bias = pieces[i].seq.params.logit_bias
-            rows = torch.tensor(layout.logit_rows_of([i]))[:, None]
-            logits[rows, torch.tensor(list(bias))] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+            add_logit_bias(logits, layout.logit_rows_of([i]), pieces[i].seq.params.logit_bias)
         if constrained:
             rows = layout.logit_rows_of(constrained)
             masks = torch.cat(

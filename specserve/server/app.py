@@ -218,8 +218,11 @@ def _describe_validation_errors(exc: RequestValidationError) -> tuple[str, str |
     field, as the error's `param`)."""
     by_field: dict[str, list[dict]] = {}
     for error in exc.errors():
-        # Drop the body's own location and the names pydantic gives union members ('str', 'list[...]').
+        # Drop the body's own location and the names pydantic gives union members ('str', 'list[...]');
+        # malformed JSON is no field's fault (its location is a character offset).
         parts = [p for p in error["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _NOT_FIELDS)]
+        if error["type"] == "json_invalid":
+            parts = []
         by_field.setdefault(".".join(map(str, parts)), []).append(error)
     # A union's member that only says "not a string" is noise beside another member's complaint deeper in.
     for field in [f for f in by_field if f]:
@@ -237,7 +240,8 @@ def _describe_validation_errors(exc: RequestValidationError) -> tuple[str, str |
 
 def _message(error: dict, field: str) -> str:
     if error["type"] == "json_invalid":
-        return f"the body is not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
+        at = next((f" at character {p}" for p in error["loc"] if isinstance(p, int)), "")
+        return f"the body is not valid JSON ({error.get('ctx', {}).get('error', error['msg'])}{at})"
     if not field and error["type"] in ("model_attributes_type", "dict_type"):
         return "the body must be a JSON object, sent with Content-Type: application/json"
     if error["type"] == "extra_forbidden":

@@ -9,7 +9,12 @@ the engine computes.
 Prompts are rendered (chat template) and tokenized before they reach the engine thread, in a small pool of
 tokenizer threads with its own bound, so one huge prompt delays nobody else's tokens: the engine thread
 only checks the token ids it is given. The tokenizer is only read there (no padding or truncation is ever
-set on it), which its Rust backend allows from several threads.
+set on it), which its Rust backend allows from several threads. A prompt text certain to exceed the
+context is refused there before it is tokenized in full (`PromptBound`).
+
+Output constraints (and the tool schemas a request carries) compile before that, on the grammar
+compiler's own workers, within a time limit; a request whose client leaves drops its compiles still
+waiting. The tokenizer's grammar view is built by `start()`, before the server serves anything.
 """
 
 from __future__ import annotations
@@ -24,17 +29,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import SamplingParams, SpecserveError, StructuredOutputsParams
 from specserve.core.sequence import RequestMetrics, Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import CompletionOutput, RequestOutput
 from specserve.parallel.group import TensorParallelError
+from specserve.server.limits import PromptBound
+from specserve.server.protocol import RequestFieldError
+from specserve.structured.grammar import ConstraintError, Grammar, RequestGrammar
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class RenderedText:
+    """A prompt a chat template rendered: it wrote the special tokens itself, so tokenizing adds none."""
+
+    text: str
+
+
 # A prompt, or a function that builds one; functions run on a tokenizer thread.
-PromptSource = PromptType | Callable[[], PromptType]
+PromptSource = PromptType | Callable[[], PromptType | RenderedText]
 
 IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps on its command queue before looking around
 
@@ -59,6 +75,8 @@ class EngineRequest:
     params: SamplingParams
     # The client set max_tokens itself: a prompt that leaves less room than that is an error, not a clamp.
     strict_max_tokens: bool = False
+    constraint_field: str | None = None  # the request field that holds params.structured_outputs
+    grammar: RequestGrammar | None = None  # that constraint, compiled (set by AsyncEngine.submit)
 
 
 @dataclass
@@ -197,6 +215,7 @@ class AsyncEngine:
         per_request_spec_decode_metrics: bool = False,
     ):
         self.engine = engine
+        self.prompt_bound = PromptBound(engine.tokenizer, engine.max_model_len)
         self.per_request_spec_decode_metrics = per_request_spec_decode_metrics
         self.capacity = engine.config.max_num_seqs + max_waiting
         # HTTP requests being (or waiting to be) tokenized, at most `max_pending_tokenization`; more get 429.
@@ -219,14 +238,25 @@ class AsyncEngine:
 
     # ---- event loop side -------------------------------------------------------------------------------
     def start(self) -> None:
+        """Build the grammar compiler's tokenizer view (seconds, holding the GIL: no stream may wait on
+        it later) and start the engine thread."""
+        self.engine.grammars.prepare()
         self._thread.start()
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def submit(self, request_id: str, requests: list[EngineRequest]) -> RequestStream:
-        """Validate and queue every choice of one HTTP request (all or none); SpecserveError when invalid."""
+    async def submit(
+        self,
+        request_id: str,
+        requests: list[EngineRequest],
+        schema_checks: list[tuple[str, StructuredOutputsParams]] = (),
+        compile_timeout_s: float = 10.0,
+    ) -> RequestStream:
+        """Validate and queue every choice of one HTTP request (all or none); SpecserveError when invalid.
+        `schema_checks`: (field, constraint) pairs that must compile too (a request's tool schemas); the
+        constraints get `compile_timeout_s` to compile."""
         if self.draining or not self.is_alive:
             raise EngineUnavailable("the server is shutting down" if self.draining else "the engine stopped")
         if len(requests) > self.capacity:
@@ -243,6 +273,7 @@ class AsyncEngine:
         self._num_in_flight += len(requests)
         self._num_tokenizing += 1
         try:
+            requests = await self._compile(requests, list(schema_checks), compile_timeout_s)
             loop = asyncio.get_running_loop()
             prepared = await loop.run_in_executor(self._tokenizers, self._prepare, requests)
             if self.draining or not self.is_alive:
@@ -274,10 +305,57 @@ class AsyncEngine:
         """Choices submitted (or being tokenized) and not yet closed."""
         return self._num_in_flight
 
+    async def _compile(
+        self,
+        requests: list[EngineRequest],
+        checks: list[tuple[str, StructuredOutputsParams]],
+        timeout_s: float,
+    ) -> list[EngineRequest]:
+        """`requests` with their constraints compiled, and every check compiled, on the grammar workers
+        (each distinct constraint once); a RequestFieldError names the field of one that does not compile
+        in time. Cancelled (its client left), it drops the compiles still waiting for a worker."""
+        jobs: dict[tuple[str, str], concurrent.futures.Future[Grammar]] = {}
+        constrained = [r for r in requests if r.params.structured_outputs is not None]
+        for field, params in checks + [
+            (r.constraint_field, r.params.structured_outputs) for r in constrained
+        ]:
+            key = (field, repr(params))
+            if key not in jobs:
+                jobs[key] = self.engine.grammars.submit(params)
+        if not jobs:
+            return requests
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        grammars: dict[tuple[str, str], Grammar] = {}
+        try:
+            for (field, params_key), future in jobs.items():
+                try:
+                    remaining = max(0.0, deadline - loop.time())
+                    grammars[field, params_key] = await asyncio.wait_for(
+                        asyncio.wrap_future(future), remaining
+                    )
+                except ConstraintError as exc:
+                    raise RequestFieldError(field, exc.reason) from None
+                except TimeoutError:
+                    raise RequestFieldError(
+                        field,
+                        f"did not compile within {timeout_s:g} s (--grammar-compile-timeout); simplify it",
+                    ) from None
+        finally:
+            for future in jobs.values():
+                future.cancel()  # those no worker took yet
+        return [
+            dataclasses.replace(
+                r, grammar=grammars[r.constraint_field, repr(r.params.structured_outputs)].start()
+            )
+            if r.params.structured_outputs is not None
+            else r
+            for r in requests
+        ]
+
     # ---- tokenizer threads ----------------------------------------------------------------------------
     def _prepare(self, requests: list[EngineRequest]) -> list[EngineRequest]:
         """Every choice's prompt as checked token ids (choices of one prompt share its tokenization)."""
-        processor = self.engine.input_processor
         max_len = self.engine.max_model_len
         prepared: list[EngineRequest] = []
         last_source, last_ids = None, None
@@ -285,7 +363,7 @@ class AsyncEngine:
             if last_ids is None or request.prompt is not last_source:
                 last_source = request.prompt
                 try:
-                    last_ids, _ = processor.tokenize(_build(request.prompt))
+                    last_ids = self._token_ids(_build(request.prompt))
                 except SpecserveError:
                     raise
                 except Exception as exc:  # the tokenizer refused the text: the request's fault, not ours
@@ -303,11 +381,21 @@ class AsyncEngine:
                     f"max_model_len is {max_len} tokens, but this request asks for {total} ({len(last_ids)} "
                     f"in the prompt, max_tokens {max_tokens}); shorten the prompt or lower max_tokens"
                 )
-            if request.params.structured_outputs is not None:
-                # Checked here, off the engine thread (the first one also builds the tokenizer's view).
-                self.engine.grammars.compile(request.params.structured_outputs)
-            prepared.append(EngineRequest({"prompt_token_ids": last_ids}, request.params))
+            prepared.append(dataclasses.replace(request, prompt={"prompt_token_ids": last_ids}))
         return prepared
+
+    def _token_ids(self, prompt: PromptType | RenderedText) -> list[int]:
+        """A prompt's token ids; a text certain to exceed the context is refused before it is tokenized
+        in full."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, RenderedText):
+            self.prompt_bound.check(
+                prompt.text, lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
+            )
+            return tokenizer(prompt.text, add_special_tokens=False).input_ids
+        if isinstance(prompt, str) and tokenizer is not None:
+            self.prompt_bound.check(prompt, lambda text: len(tokenizer(text).input_ids))
+        return self.engine.input_processor.tokenize(prompt)[0]
 
     def begin_drain(self, timeout_s: float) -> None:
         """Refuse new requests; let live ones finish for `timeout_s`, then abort them.
@@ -371,7 +459,7 @@ class AsyncEngine:
     def _admit(self, stream: RequestStream, requests: list[EngineRequest]) -> None:
         try:
             seqs = [
-                self.engine.make_sequence(_build(r.prompt), r.params, engine_id)
+                self.engine.make_sequence(_build(r.prompt), r.params, engine_id, r.grammar)
                 for r, engine_id in zip(requests, stream.engine_ids)
             ]
         except Exception as exc:  # anything wrong with one request is that request's 400, not the server's
@@ -489,5 +577,5 @@ class _StatsWindow:
     generated_tokens: int = 0
 
 
-def _build(prompt: PromptSource) -> PromptType:
+def _build(prompt: PromptSource) -> PromptType | RenderedText:
     return prompt() if callable(prompt) else prompt

@@ -63,6 +63,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "<|im_start|>), which would otherwise become a real control token",
     )
     limits.add_argument(
+        "--max-constraint-bytes",
+        type=int,
+        default=64 * 1024,
+        help="size of one output constraint or tool schema (a regex, grammar, choice list or JSON schema) "
+        "(400)",
+    )
+    limits.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's constraints and tool schemas get to compile (400)",
+    )
+    limits.add_argument(
         "--tokenizer-workers", type=int, default=2, help="threads that render and tokenize prompts"
     )
     srv.set_defaults(func=_serve)
@@ -80,6 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_stop_strings=args.max_stop_strings,
         max_prompt_token_ids=args.max_prompt_token_ids,
         reject_special_tokens_in_content=args.reject_special_tokens_in_content,
+        max_constraint_bytes=args.max_constraint_bytes,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     return serve(
         host=args.host,

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from specserve.config import SamplingParams, SpecserveError, StructuredOutputsParams
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.engine import PromptType
-from specserve.server.async_engine import EngineRequest, EngineUpdate
+from specserve.server.async_engine import EngineRequest, EngineUpdate, RenderedText
 from specserve.server.limits import ServerLimits
 from specserve.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from specserve.server.protocol import (
@@ -40,8 +40,10 @@ from specserve.server.protocol import (
     ToolCall,
     ToolCallDelta,
     Usage,
+    check_json_text,
 )
-from specserve.server.tool_calls import ToolCallParser, ToolFormat, ToolUse, check_parameters
+from specserve.server.tool_calls import ToolCallParser, ToolFormat, ToolUse
+from specserve.structured.schema import json_size
 
 
 def sampling_params(
@@ -95,6 +97,16 @@ def output_constraint(body: SamplingFields) -> dict | None:
     return {"json": fmt.json_schema.schema_}
 
 
+def constraint_field(body: SamplingFields, params: SamplingParams) -> str:
+    """The request field that holds `params`' output constraint, as errors name it."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        return "response_format.json_schema.schema"
+    if fmt is not None and fmt.type == "json_object":
+        return "response_format"
+    return f"structured_outputs.{params.structured_outputs.kind}"
+
+
 def spec_decode_usage(stats: SpecStats) -> SpecDecodeUsage:
     return SpecDecodeUsage(
         num_drafts=stats.num_drafts,
@@ -125,11 +137,43 @@ class Generation:
             raise SpecserveError(
                 f"stop: at most {self.limits.max_stop_strings} stop strings per request, got {len(stop)}"
             )
+        self._check_constraints()
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_name = model_name
         self.text_of = TokenText(tokenizer, as_ids=body.return_tokens_as_token_ids)
         self.latest: dict[int, EngineUpdate] = {}  # the handler records each update here
+
+    def constraint_values(self) -> list[tuple[str, object]]:
+        """(field, value) of every constraint the request carries, before anything compiles it."""
+        values = list((self.body.structured_outputs or {}).items())
+        values = [(f"structured_outputs.{key}", value) for key, value in values]
+        fmt = self.body.response_format
+        if fmt is not None and fmt.json_schema is not None:
+            values.append(("response_format.json_schema.schema", fmt.json_schema.schema_))
+        return values
+
+    def _check_constraints(self) -> None:
+        """Each constraint within the size limit (checked first: it stops early), then valid text."""
+        limit = self.limits.max_constraint_bytes
+        for field, value in self.constraint_values():
+            if json_size(value, limit) > limit:
+                raise RequestFieldError(
+                    field,
+                    f"is larger than this server's limit of {limit} bytes for a constraint "
+                    "(--max-constraint-bytes)",
+                )
+            check_json_text(value, field)
+
+    def schema_checks(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Schemas the request carries beside its output constraint, to compile (and so check)."""
+        return []
+
+    def _engine_request(self, prompt, params: SamplingParams, strict: bool, field: str | None = None):
+        """One choice's EngineRequest; its constraint's field named as the body names it."""
+        if params.structured_outputs is not None and field is None:
+            field = constraint_field(self.body, params)
+        return EngineRequest(prompt, params, strict, constraint_field=field)
 
     @property
     def stream(self) -> bool:
@@ -223,7 +267,7 @@ class CompletionGeneration(Generation):
         # Absent, max_tokens is OpenAI's 16, clamped to the room the prompt leaves; given, it must fit.
         strict = "max_tokens" in self.body.model_fields_set
         return [
-            EngineRequest(prompt, self._params(j), strict)
+            self._engine_request(prompt, self._params(j), strict)
             for prompt in self.prompts()
             for j in range(self.body.n)
         ]
@@ -361,34 +405,51 @@ class ChatGeneration(Generation):
                         "accept in message content (--reject-special-tokens-in-content)",
                     )
 
-    def prompt_token_ids(self) -> dict[str, list[int]]:
+    def rendered(self) -> RenderedText:
         """The conversation through the chat template (run on a tokenizer thread)."""
         tokenizer = self._tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise SpecserveError("this model has no chat template; use /v1/completions")
         if self._special_tokens is not None:
             self._check_special_tokens()
-        check_parameters(self.tools.given)
         messages, tools = self.tools.conversation(self.messages())
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
         # The template writes the special tokens itself; adding them again would double a BOS.
-        return {"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        return RenderedText(text)
+
+    def constraint_values(self) -> list[tuple[str, object]]:
+        tools = [
+            (f"tools.{i}.function.parameters", t.function.parameters)
+            for i, t in enumerate(self.body.tools or [])
+            if t.function.parameters is not None
+        ]
+        return super().constraint_values() + tools
+
+    def schema_checks(self) -> list[tuple[str, StructuredOutputsParams]]:
+        return self.tools.schema_checks()
 
     def engine_requests(self) -> list[EngineRequest]:
         max_tokens = self.body.max_completion_tokens or self.body.max_tokens
-        source = self.prompt_token_ids  # one object, so the choices share one rendering
+        source = self.rendered  # one object, so the choices share one rendering
         # Absent, max_tokens means "up to the context"; given, it must fit beside the prompt.
         strict = max_tokens is not None
         grammar = self.tools.grammar(self._tokenizer)
+        if grammar is not None and len(grammar.encode()) > self.limits.max_constraint_bytes:
+            raise RequestFieldError(
+                "tool_choice",
+                f"the grammar of a call to these tools is larger than this server's limit of "
+                f"{self.limits.max_constraint_bytes} bytes for a constraint (--max-constraint-bytes)",
+            )
         requests = []
         for j in range(self.body.n):
             params = sampling_params(self.body, max_tokens, self.num_top_logprobs, j)
+            field = None
             if grammar is not None:
                 constraint = StructuredOutputsParams(grammar=grammar)
-                params = dataclasses.replace(params, structured_outputs=constraint)
-            requests.append(EngineRequest(source, params, strict))
+                params, field = dataclasses.replace(params, structured_outputs=constraint), "tool_choice"
+            requests.append(self._engine_request(source, params, strict, field))
         return requests
 
     def _logprobs(self, token_ids, steps):

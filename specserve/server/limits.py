@@ -5,6 +5,7 @@
   one over the limit with 413 (from its Content-Length, or as soon as the bytes streamed in pass the limit,
   before any JSON parsing) and one that does not arrive within the read timeout with 408; both close the
   connection.
+- `PromptBound`: refuses a prompt text certain to exceed the context before it is tokenized in full.
 - `http_protocol`: uvicorn's h11 protocol with a header timeout: a connection that opens and sends
   nothing, or sends part of its headers and stalls, is closed after the read timeout (uvicorn itself only
   times out idle keep-alive connections between requests).
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from specserve.config import SpecserveError
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
 
@@ -32,6 +35,8 @@ class ServerLimits:
     max_stop_strings: int = 64
     max_prompt_token_ids: int = 2**20  # token ids a completions request may send, all its prompts together
     reject_special_tokens_in_content: bool = False
+    max_constraint_bytes: int = 64 * 1024  # a constraint's text (regex, grammar, choices, a JSON schema)
+    grammar_compile_timeout_s: float = 10.0
 
 
 class RequestBodyLimit:
@@ -162,3 +167,46 @@ def special_token_pattern(tokenizer) -> re.Pattern | None:
         return None
     # Longest first, so a token that begins another is not matched in its place.
     return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+
+
+class PromptBound:
+    """Refuses a prompt text certain to exceed the context before it is tokenized in full, so no request
+    holds a tokenizer thread for seconds only to be told no.
+
+    Two bounds, built from the tokenizer at start: no token covers more characters than the longest
+    string of its vocabulary, so a text longer than `max_model_len` times that is too long untokenized;
+    past 16 characters a token of context, only a prefix is tokenized (cut before a space, where the
+    tokenizers' pre-tokenization splits, less a margin for the piece at the cut), and a prefix that is
+    already too long refuses the whole.
+    """
+
+    PREFIX_CHARS_PER_TOKEN = 16
+    MARGIN_TOKENS = 16
+
+    def __init__(self, tokenizer, max_model_len: int):
+        self.max_model_len = max_model_len
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.max_token_chars = max((len(token) for token in vocab), default=0)
+
+    def check(self, text: str, count_tokens: Callable[[str], int]) -> None:
+        """SpecserveError when `text` surely holds at least `max_model_len` tokens; `count_tokens`
+        tokenizes a piece of it."""
+        limit = self.max_model_len
+        if self.max_token_chars and len(text) >= limit * self.max_token_chars:
+            raise SpecserveError(
+                f"the prompt has {len(text)} characters, so at least {len(text) // self.max_token_chars} "
+                f"tokens (no token of this tokenizer spans more than {self.max_token_chars}); max_model_len "
+                f"is {limit}"
+            )
+        prefix = self.PREFIX_CHARS_PER_TOKEN * (limit + self.MARGIN_TOKENS)
+        if len(text) <= prefix:
+            return
+        cut = text.rfind(" ", 0, prefix)
+        cut = cut if cut > 0 else prefix
+        counted = count_tokens(text[:cut]) - self.MARGIN_TOKENS
+        if counted >= limit:
+            raise SpecserveError(
+                f"the prompt has more than {counted} tokens (counted in its first {cut} of {len(text)} "
+                f"characters); max_model_len is {limit}, so at most {limit - 1} prompt tokens leave room for "
+                "one generated token"
+            )

@@ -31,17 +31,41 @@ def integer(**bounds) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral_float_as_int)]
 
 
-def _valid_unicode(value: str) -> str:
+def _valid_unicode(value: str, what: str = "the text") -> str:
     # JSON may carry lone surrogates ("\\ud800"); they are not text, and the tokenizer cannot take them.
     if not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(
-                f"the text holds a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
+                f"{what} holds a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
                 "which is not valid Unicode"
             ) from None
     return value
+
+
+def check_json_text(value: object, field: str) -> None:
+    """Every key and string inside `value` (a JSON object a request carries: a schema, a constraint) is
+    valid Unicode; a RequestFieldError naming the first that is not, by its path under `field`."""
+    pending = [(value, field)]
+    while pending:
+        node, path = pending.pop()
+        if isinstance(node, str):
+            _valid_text(node, path)
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                if isinstance(key, str):
+                    _valid_text(key, path, what="a key here")
+                pending.append((item, f"{path}.{key}"))
+        elif isinstance(node, list):
+            pending += [(item, f"{path}.{i}") for i, item in enumerate(node)]
+
+
+def _valid_text(text: str, field: str, what: str = "the text") -> None:
+    try:
+        _valid_unicode(text, what)
+    except ValueError as exc:
+        raise RequestFieldError(field, str(exc)) from None
 
 
 # Every text field of a request: valid Unicode (pydantic lets lone surrogates through in some unions).

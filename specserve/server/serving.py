@@ -1,8 +1,10 @@
 """Serving one generation over HTTP: submit its choices, answer with one JSON response or a stream of
 server-sent events, and free the engine's work the moment the client goes away.
 
-A streaming client that disconnects cancels the response's generator (Starlette watches the socket);
-a non-streaming one is watched here while the completion is collected. Either way the stream is closed,
+A client that disconnects while its request is being admitted (its constraints compiling, its prompt
+tokenized) cancels the admission, and its compiles still waiting for a worker are dropped. Later, a
+streaming client that disconnects cancels the response's generator (Starlette watches the socket); a
+non-streaming one is watched here while the completion is collected. Either way the stream is closed,
 which aborts unfinished choices in the engine and frees their KV blocks at once.
 """
 
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,13 +25,24 @@ from specserve.server.generation import Generation
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ErrorInfo, ErrorResponse
 
+T = TypeVar("T")
+
 
 async def serve_generation(
     generation: Generation, engine: AsyncEngine, request: Request, metrics: ServerMetrics
 ) -> Response:
     """Raises SpecserveError (400), EngineOverloaded (429), EngineUnavailable (503), RequestFailed (500)."""
     arrival = time.monotonic()
-    stream = await engine.submit(generation.id, generation.engine_requests())
+    submitting = engine.submit(
+        generation.id,
+        generation.engine_requests(),
+        generation.schema_checks(),
+        generation.limits.grammar_compile_timeout_s,
+    )
+    stream = await _unless_disconnected(submitting, request)
+    if stream is None:  # the client left while its constraints compiled or its prompt was tokenized
+        metrics.record_request(generation.id, arrival, [], generation.usage(), "aborted")
+        return Response(status_code=499)
     if generation.stream:
         return _EventStream(generation, stream, arrival, metrics)
     outcome = "aborted"
@@ -122,6 +136,21 @@ async def _collect_unless_disconnected(
         collector.result()  # raises RequestFailed
         return True
     return False
+
+
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
+    """`work`'s result, or None once the client disconnects first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
 
 
 async def _until_disconnected(request: Request) -> None:

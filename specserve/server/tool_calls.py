@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 
-import llguidance
-
+from specserve.config import StructuredOutputsParams
 from specserve.server.protocol import (
     ChatCompletionRequest,
     FunctionCall,
@@ -25,6 +24,7 @@ from specserve.server.protocol import (
     Tool,
     ToolCall,
 )
+from specserve.structured.schema import embed
 
 # The JSON layout of Python's json.dumps, and so of the templates' `tojson`: what the model saw in training.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -126,21 +126,15 @@ def _writes_hermes_calls(tokenizer) -> bool:
 
 
 def check_parameters(tools: list[Tool]) -> None:
-    """Each tool's `parameters` must be a JSON schema of an object that llguidance compiles."""
+    """Each tool's `parameters` must be the JSON schema of an object (whether it compiles, the grammar
+    workers check)."""
     for i, tool in enumerate(tools):
         schema = tool.function.parameters
-        if schema is None:
-            continue
-        field = f"tools.{i}.function.parameters"
-        if schema.get("type", "object") != "object":
-            raise RequestFieldError(field, "must be the JSON schema of an object (the call's arguments)")
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-            error = llguidance.LLMatcher.validate_grammar(grammar)
-        except ValueError as exc:
-            error = str(exc)
-        if error:
-            raise RequestFieldError(field, error)
+        if schema is not None and schema.get("type", "object") != "object":
+            raise RequestFieldError(
+                f"tools.{i}.function.parameters",
+                "must be the JSON schema of an object (the call's arguments)",
+            )
 
 
 def forcing_grammar(fmt: ToolFormat, tools: list[Tool], tokenizer, parallel: bool) -> str:
@@ -153,12 +147,13 @@ def forcing_grammar(fmt: ToolFormat, tools: list[Tool], tokenizer, parallel: boo
                 "type": "object",
                 "properties": {
                     "name": {"const": t.function.name},
-                    key: t.function.parameters or {"type": "object"},
+                    # Its references ("#/$defs/...") mean the parameters' own root, wherever it sits.
+                    key: embed(t.function.parameters or {"type": "object"}, f"/anyOf/{i}/properties/{key}"),
                 },
                 "required": ["name", key],
                 "additionalProperties": False,
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ],
         "x-guidance": JSON_LAYOUT,
     }
@@ -266,6 +261,7 @@ class ToolUse:
             if named is not None and named not in names:
                 message = f"{named!r} is not one of the tools {names}"
                 raise RequestFieldError("tool_choice.function.name", message)
+        check_parameters(tools)
         self.fmt = fmt
         self.given = tools
         self.offered = tools if choice != "none" else []
@@ -289,6 +285,14 @@ class ToolUse:
         if self.fmt is None:
             return messages, None
         return self.fmt.conversation(messages, tools or None)
+
+    def schema_checks(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Each tool's parameters as a JSON constraint to compile (and so check), by its field."""
+        return [
+            (f"tools.{i}.function.parameters", StructuredOutputsParams(json=t.function.parameters))
+            for i, t in enumerate(self.given)
+            if t.function.parameters is not None
+        ]
 
     def grammar(self, tokenizer) -> str | None:
         if not self.forced:

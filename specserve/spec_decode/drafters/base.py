@@ -6,7 +6,14 @@ import torch
 
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
-from specserve.layers.sampler import SamplingBatch, draw_exponential, first_argmax, target_probs
+from specserve.layers.sampler import (
+    SamplingBatch,
+    add_logit_bias,
+    draw_exponential,
+    first_argmax,
+    target_probs,
+)
+from specserve.structured.masks import mask_logits
 
 
 class Drafter:
@@ -66,9 +73,11 @@ def sample_drafts(
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """One draft token per sequence from `logits` [R, V] under each request's own sampling parameters
-    (penalties count the drafts so far as emitted); returns the exact q rows [R, V], the tokens and each
-    row's peak confidence [R]: the top probability of the drafter's own distribution before the request's
-    transforms (after a greedy one q is one-hot and its peak says nothing), known before the draw."""
+    and logit transforms, as the target's rows get them (its logit_bias, and its output constraint's mask
+    after the drafts so far; penalties count those drafts as emitted), so drafts are what the target
+    accepts; returns the exact q rows [R, V], the tokens and each row's peak confidence [R]: the top
+    probability of the drafter's own distribution before the request's transforms (after a greedy one q
+    is one-hot and its peak says nothing), known before the draw."""
     batch = SamplingBatch.build(
         [s.params for s in seqs],
         [s.prompt_token_ids for s in seqs],
@@ -77,7 +86,26 @@ def sample_drafts(
         [s.generator for s in seqs],
         generator=generator,
     )
-    q = target_probs(logits, batch)
+    q = target_probs(_transformed(logits, seqs, drafted), batch)
     raw = logits.float()
     peaks = torch.exp(raw.amax(dim=-1) - raw.logsumexp(dim=-1))
     return q, first_argmax(q / draw_exponential(batch, q.shape[1])).tolist(), peaks
+
+
+def _transformed(logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
+    """`logits` with each request's logit_bias added and its grammar's mask after its drafts applied."""
+    masks = {}
+    for r, (seq, tokens) in enumerate(zip(seqs, drafted)):
+        mask = seq.grammar.mask_after(tokens) if seq.grammar is not None else None
+        if mask is not None:
+            masks[r] = mask
+    biased = [r for r, seq in enumerate(seqs) if seq.params.logit_bias]
+    if not masks and not biased:
+        return logits
+    logits = logits.clone()
+    for r in biased:
+        add_logit_bias(logits, [r], seqs[r].params.logit_bias)
+    if masks:
+        rows = list(masks)
+        logits[rows] = mask_logits(logits[rows], torch.stack([masks[r] for r in rows]))
+    return logits
