@@ -13,6 +13,7 @@ import transformers
 
 from specserve import LLM, SamplingParams, SpecserveError
 from specserve.config import StructuredOutputsParams
+from specserve.structured.grammar import GrammarCompiler
 from specserve.structured.masks import allowed_tokens
 from specserve.structured.schema import admits_a_value, embed, json_size
 from tests.server_harness import make_client
@@ -364,3 +365,12 @@ def test_draft_masks_past_the_end_of_a_constraint_leave_the_matcher_where_it_was
         assert grammar.accept(y)
         masks(grammar)
         assert grammar.accept(e) and grammar.accept(s) and grammar.finished
+
+
+def test_a_tokenizer_llguidance_refuses_fails_constrained_requests_only(chat_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer) - 1, frozenset())  # fewer ids than tokens
+    compiler.prepare()  # a server that prepares it still starts
+    for _ in range(2):
+        with pytest.raises(SpecserveError, match="not available with this model's tokenizer .*vocab size"):
+            compiler.compile(StructuredOutputsParams(regex="a"))

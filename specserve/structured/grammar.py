@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import queue
 import re
 import threading
@@ -28,6 +29,8 @@ import torch
 
 from specserve.config import SpecserveError, StructuredOutputsParams
 from specserve.structured.schema import admits_a_value
+
+logger = logging.getLogger(__name__)
 
 WORKER_STACK_BYTES = 256 * 2**20  # virtual: pages are only committed as deep as a compile goes
 # Parser limits as llguidance's defaults, but errors without the parser's state (it can echo the output).
@@ -113,6 +116,7 @@ class GrammarCompiler:
         self.num_workers = num_workers
         self.cache_size = cache_size
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_failure: str | None = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()  # the cache and the workers
         self._tokenizer_lock = threading.Lock()
@@ -120,9 +124,13 @@ class GrammarCompiler:
         self._workers: list[threading.Thread] = []
 
     def prepare(self) -> None:
-        """Build what every compile needs, now (a server does this before it says it is ready)."""
+        """Build what every compile needs, now (a server does this before it says it is ready). A
+        tokenizer llguidance cannot take leaves constrained requests to fail, saying why."""
         if self.hf_tokenizer is not None:
-            self._llg_tokenizer()
+            try:
+                self._llg_tokenizer()
+            except SpecserveError as exc:
+                logger.warning("%s", exc)
         self._start_workers()
 
     def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future[Grammar]:
@@ -190,9 +198,18 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 if self.hf_tokenizer is None:
                     raise SpecserveError("structured outputs need the model's tokenizer; this model has none")
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
-                )
+                if self._tokenizer_failure is None:
+                    try:
+                        self._tokenizer = llguidance.hf.from_tokenizer(
+                            self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+                        )
+                    except Exception as exc:  # built once: the same tokenizer fails the same way
+                        self._tokenizer_failure = (
+                            "structured outputs are not available with this model's tokenizer "
+                            f"({type(exc).__name__}: {exc})"
+                        )
+                if self._tokenizer_failure is not None:
+                    raise SpecserveError(self._tokenizer_failure)
             return self._tokenizer
 
 
