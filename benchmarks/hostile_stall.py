@@ -185,6 +185,10 @@ def hostile_cases() -> list[tuple[str, str, Callable[[str], list[Callable[[], An
         "required": ["to"],
     }
     tool = {"type": "function", "function": {"name": "ship", "parameters": shipment}}
+    other_tool = {
+        "type": "function",
+        "function": {"name": "post", "parameters": shipment},
+    }  # not a cached prefix
     huge = "lorem ipsum dolor sit amet " * (10 * 2**20 // 27)
 
     def c(url, body, path="chat/completions"):
@@ -233,6 +237,13 @@ def hostile_cases() -> list[tuple[str, str, Callable[[str], list[Callable[[], An
             ],
         ),
         (
+            "same_tools_unforced",
+            "the same kind of tool, tool_choice auto (as long a prompt to prefill, no grammar): the control",
+            lambda url: [
+                c(url, {"messages": chat, "max_tokens": 40, "tools": [other_tool], "tool_choice": "auto"})
+            ],
+        ),
+        (
             "bare_ref",
             'structured_outputs {"json": {"$ref": "#"}}',
             lambda url: [
@@ -266,7 +277,12 @@ def main() -> int:
     rows: list[Row] = []
     try:
         cases = hostile_cases()
-        # The first constrained request must be the first one after start: before any baseline.
+        # Warm the engine (its first shapes, the chat template) with plain requests; the first constrained
+        # request must still be the first one after start, so it goes before the baselines.
+        post(
+            server.url, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        )
+        run_case(server, "warm-up", "", [], args.stream_tokens)
         name, what, make = cases[0]
         rows.append(run_case(server, name, what, make(server.url), args.stream_tokens))
         alone = [
