@@ -15,7 +15,9 @@ from scipy import stats
 
 from specserve import LLM, SamplingParams
 from specserve.layers.sampler import SamplingBatch, target_probs
+from specserve.models.loader import load_model
 from specserve.spec_decode.cost_profile import CostProfile
+from tests.drafter_formats import speculators_config, write_drafter
 from tests.tiny_models import save_tiny_drafter
 
 V = 16
@@ -80,6 +82,17 @@ def drafters(models, tmp_path_factory):
         )
         return str(directory)
 
+    def other_format(kind: str, draft_vocab: int | None = None) -> str:
+        _, target_config, _ = load_model(target_dir)
+        if kind == "dflash":  # with a flattened LM head of its own: poor, not useless
+            raw = speculators_config(target_config, "dflash", tokens=3, aux_hidden_state_layer_ids=[1])
+            options = {"drop": ("embed_tokens.weight",), "head_scale": 0.02}
+        else:
+            raw = speculators_config(target_config, "dspark", tokens=3, draft_vocab_size=draft_vocab)
+            raw |= {"sample_from_anchor": False, "aux_hidden_state_layer_ids": [1], "mask_token_id": V - 1}
+            options = {"kept_ids": list(range(1, 1 + draft_vocab))}
+        return str(write_drafter(target_dir, tmp_path_factory.mktemp(kind), raw, std=0.05, **options))
+
     vanilla = dspark("vanilla")
     # Step time 1 + 0.0002 B: at ~1000 decoding requests a draft pays when its survival exceeds ~0.17, at
     # fewer requests lower, so the scheduled planners verify different lengths from step to step.
@@ -124,6 +137,10 @@ def drafters(models, tmp_path_factory):
             "model": dspark("dflash", markov_rank=0, confidence_head=False),
         },
         "eagle3": {"method": "eagle3", "model": dspark("eagle3", eagle3=True), "num_speculative_tokens": 3},
+        # speculators-format drafters in 1+N infill blocks: DSpark with a pruned vocabulary (q is 0 off
+        # it), DFlash.
+        "speculators_dspark_pruned": {"method": "dspark", "model": other_format("dspark", V - 6)},
+        "speculators_dflash": {"method": "dflash", "model": other_format("dflash")},
     }
 
 
@@ -236,6 +253,8 @@ CASES = {
         ("draft_model_scheduled", "temperature_1"),
         ("draft_model", "temperature_1_logit_bias"),
         ("dspark_async", "temperature_0.7_top_p_top_k"),
+        ("speculators_dspark_pruned", "temperature_1"),
+        ("speculators_dflash", "temperature_1"),
     ],
 )
 def test_speculative_sampling_matches_the_target_distribution(drafter, case, models, drafters):

@@ -19,14 +19,13 @@ from torch import nn
 from specserve.config import SpecserveError
 from specserve.models.base import CausalLM
 from specserve.models.loader import iter_checkpoint_tensors, resolve_model
-from specserve.spec_decode.deepspec.config import DrafterConfig, DSparkConfig, parse_drafter_config
+from specserve.spec_decode.deepspec.config import DrafterConfig, DSparkConfig
 from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 
 DraftModel = DSparkDraftModel | Eagle3DraftModel
 
 logger = logging.getLogger(__name__)
-SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
 def build_draft_model(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DraftModel:
@@ -95,26 +94,40 @@ def init_from_target_layers(model: DSparkDraftModel, target: CausalLM) -> None:
 def load_draft_checkpoint(
     model_id: str, target: CausalLM, target_config, dtype: torch.dtype = torch.float32, revision=None
 ) -> DraftModel:
-    """A DeepSpec drafter checkpoint (local directory or hub id), checked against the target."""
+    """A drafter checkpoint (local directory or hub id) in any format `spec_decode.formats` reads, checked
+    against the target from its config.json before any tensor is read."""
+    from specserve.spec_decode.formats import parse_checkpoint_config
+
     directory = resolve_model(model_id, revision=revision)
     config_path = directory / "config.json"
     try:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise SpecserveError(f"{config_path} is not valid JSON: {exc}") from None
-    config = parse_drafter_config(raw, source=str(config_path))
+    checkpoint = parse_checkpoint_config(raw, target_config, source=str(config_path))
+    config = checkpoint.config
     config.check_target(target_config, source=str(config_path))
     model = build_draft_model(config, dtype)
-    load_draft_weights(model, iter_checkpoint_tensors(directory), target, source=str(directory))
+    tensors = (
+        (ours, tensor)
+        for name, tensor in iter_checkpoint_tensors(directory)
+        if (ours := checkpoint.rename(name)) is not None
+    )
+    load_draft_weights(model, tensors, target, source=str(directory), optional=checkpoint.optional)
     model.checkpoint_dir = directory  # calibration files live beside the weights
     return model
 
 
 @torch.no_grad()
 def load_draft_weights(
-    model: DraftModel, tensors: Iterable[tuple[str, torch.Tensor]], target: CausalLM, source: str
+    model: DraftModel,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    target: CausalLM,
+    source: str,
+    optional: tuple[str, ...] = (),
 ) -> None:
-    """Copy checkpoint tensors in; every key must exist with its exact shape, and none may be missing."""
+    """Copy checkpoint tensors in; every key must exist with its exact shape, and none may be missing
+    except the target-shared `optional` ones (the target's are used)."""
     slots = model.state_dict()  # parameters and persistent buffers, sharing storage with the model
     target_tensors = {
         "embed_tokens.weight": lambda: target.input_embedding().weight,
@@ -124,7 +137,8 @@ def load_draft_weights(
     for name, tensor in tensors:
         if name not in slots:
             raise SpecserveError(
-                f"{source}: unexpected tensor {name!r} (not part of a {model.config.architecture})"
+                f"{source}: unexpected tensor {name!r} (not part of a {model.config.source} "
+                f"{model.config.architecture})"
             )
         expected = tuple(slots[name].shape)
         if tuple(tensor.shape) != expected:
@@ -132,21 +146,38 @@ def load_draft_weights(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
             )
         seen.add(name)
-        if name in target_tensors:
+        if name in target_tensors and tensor.shape == target_tensors[name]().shape:
             theirs = target_tensors[name]()
             if torch.equal(tensor.to(theirs.dtype), theirs):
                 shared.append(name)
                 continue
             logger.warning("%s: %s differs from the target's; the drafter keeps its own copy", source, name)
         slots[name].copy_(tensor)
-    missing = sorted(set(slots) - seen)
+    absent = set(slots) - seen
+    shared += sorted(absent & set(optional))
+    missing = sorted(absent - set(optional))
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise SpecserveError(f"{source}: checkpoint is missing tensors: {', '.join(missing[:8])}{more}")
+    if model.d2t is not None:
+        _check_vocab_map(model, source)
     if "embed_tokens.weight" in shared:
         model.embed_tokens = target.input_embedding()
     if "lm_head.weight" in shared:
         model.lm_head = target.output_layer()
+
+
+def _check_vocab_map(model: DraftModel, source: str) -> None:
+    """d2t and t2d must name the same target ids, in increasing order (as speculators builds them)."""
+    ids = model.d2t + torch.arange(len(model.d2t))
+    kept = model.t2d.nonzero().flatten()
+    if not (
+        torch.equal(ids, kept) and bool((ids >= 0).all()) and bool((ids < model.config.vocab_size).all())
+    ):
+        raise SpecserveError(
+            f"{source}: d2t and t2d disagree: d2t must map draft id i to target id i + d2t[i], the ids t2d "
+            f"marks ({int(model.t2d.sum())} of them for draft_vocab_size {len(model.d2t)}), in order"
+        )
 
 
 def save_draft_checkpoint(model: DraftModel, directory: str | Path) -> Path:

@@ -55,7 +55,14 @@ class DrafterConfig:
 
     family: str  # "qwen3" or "gemma4": which backbone layout
     backbone: transformers.PretrainedConfig  # dimensions of the draft layers (a Qwen3 / Gemma 4 text config)
-    target_layer_ids: list[int]
+    target_layer_ids: list[int]  # DeepSpec's convention: id l is the output of target layer l
+    # The checkpoint's format (`spec_decode/formats`). DeepSpec drafters serve targets of their own family;
+    # the other formats' Qwen3-style drafters serve any target of their widths.
+    source: str = "DeepSpec"
+    qk_norm: bool = True  # RMSNorm on each head's q and k (Llama-style draft layers have none)
+    draft_vocab_size: int | None = None  # a pruned draft vocabulary (`d2t` / `t2d`), else the target's
+    # A Qwen3-style drafter of a Gemma target that embeds with the target's own (scaled) embedding.
+    embed_scale: float | None = None
 
     ARCHITECTURES: ClassVar[dict[str, str]] = {}  # architectures[0] -> family
     REQUIRED: ClassVar[tuple[str, ...]] = ("target_layer_ids",)
@@ -75,6 +82,18 @@ class DrafterConfig:
     @property
     def architecture(self) -> str:
         return {v: k for k, v in self.ARCHITECTURES.items()}[self.family]
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the drafter's LM head: its pruned vocabulary, or the target's."""
+        return self.draft_vocab_size or self.vocab_size
+
+    def token_scaling(self) -> tuple[float | None, float | None]:
+        """(embedding scale, logit softcap): Gemma drafters scale as Gemma does (sqrt(H), the backbone's
+        softcap); a Qwen3-style drafter only by `embed_scale`."""
+        if self.family == "gemma4":
+            return self.hidden_size**0.5, getattr(self.backbone, "final_logit_softcapping", None)
+        return self.embed_scale, None
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json"):
@@ -104,6 +123,12 @@ class DrafterConfig:
         return {}
 
     def validate(self, source: str = "config.json") -> None:
+        vocab = self.draft_vocab_size
+        _check(
+            vocab is None or (isinstance(vocab, int) and 1 <= vocab <= self.vocab_size),
+            source,
+            f"draft_vocab_size {vocab!r} is not in [1, vocab_size={self.vocab_size}]",
+        )
         ids = self.target_layer_ids
         ok = bool(ids) and all(isinstance(i, int) for i in ids) and all(a < b for a, b in zip(ids, ids[1:]))
         _check(
@@ -114,9 +139,10 @@ class DrafterConfig:
     def check_target(self, target_config, source: str = "drafter") -> None:
         """Errors naming the key when the drafter does not fit the target model."""
         expected = FAMILY_OF_TARGET.get(target_config.model_type)
-        if expected != self.family:
+        if expected is None or (self.source == "DeepSpec" and expected != self.family):
             raise SpecserveError(
-                f"{source}: a {self.architecture} drafter cannot serve a {target_config.model_type!r} target"
+                f"{source}: a {self.source} {self.architecture} drafter cannot serve a "
+                f"{target_config.model_type!r} target"
             )
         num_target_layers = target_config.num_hidden_layers
         pairs = (
@@ -175,6 +201,9 @@ class DSparkConfig(DrafterConfig):
     markov_head_type: str | None = None
     confidence_head: bool = False
     confidence_with_markov: bool = False
+    # DeepSpec's convention: slot i of a block at anchor a predicts the token at a+i+1 (B drafts). False:
+    # z-lab's 1+N infill, slot 0 holds the anchor and slot i >= 1 predicts the token at a+i (B-1 drafts).
+    sample_from_anchor: bool = True
 
     ARCHITECTURES: ClassVar[dict[str, str]] = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4"}
     REQUIRED: ClassVar[tuple[str, ...]] = (
@@ -209,10 +238,19 @@ class DSparkConfig(DrafterConfig):
             confidence_with_markov=bool(raw.get("confidence_head_with_markov")) and bool(rank),
         )
 
+    @property
+    def first_draft_slot(self) -> int:
+        """The block slot whose output is the first draft."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def max_drafts(self) -> int:
+        return self.block_size - self.first_draft_slot
+
     def validate(self, source: str = "config.json") -> None:
         super().validate(source)
         _check(
-            isinstance(self.block_size, int) and self.block_size >= 1,
+            isinstance(self.block_size, int) and self.block_size >= 1 + self.first_draft_slot,
             source,
             f"block_size {self.block_size!r}",
         )
@@ -262,6 +300,7 @@ class Eagle3Config(DrafterConfig):
     autoregressively; `ttt_length` is its training-time test depth (the default number of drafts)."""
 
     ttt_length: int = 7
+    norm_before_residual: bool = False  # speculators: the layer's residual is hidden_norm(hidden)
 
     ARCHITECTURES: ClassVar[dict[str, str]] = {"Qwen3Eagle3Model": "qwen3", "Gemma4Eagle3Model": "gemma4"}
 

@@ -76,8 +76,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_features, kv_size, bias=bias)
         self.v_proj = None if geo.k_eq_v else nn.Linear(in_features, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, b.hidden_size, bias=bias)
-        self.q_norm = _norm(config, geo.head_dim)
-        self.k_norm = _norm(config, geo.head_dim)
+        self.q_norm = _norm(config, geo.head_dim) if config.qk_norm else None
+        self.k_norm = _norm(config, geo.head_dim) if config.qk_norm else None
         gemma = config.family == "gemma4"
         self.v_norm = RMSNorm(geo.head_dim, b.rms_norm_eps, with_scale=False) if gemma else None
         self.rotary = rotary
@@ -85,11 +85,12 @@ class DraftAttention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, batch: DraftBatch) -> torch.Tensor:
         """x: normed query rows [m, in]; context: projected context rows [n, in] that give K/V only."""
         d = self.geometry.head_dim
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (-1, d)))  # (unflatten: also for 0 rows)
+        q = self.q_proj(x).unflatten(-1, (-1, d))  # (unflatten: also for 0 rows)
         kv_rows = x if context is None else torch.cat([context, x])  # context first (DeepSpec's order)
         k = self.k_proj(kv_rows).unflatten(-1, (-1, d))
         v = k if self.v_proj is None else self.v_proj(kv_rows).unflatten(-1, (-1, d))
-        k = self.k_norm(k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
         (q,) = self.rotary(batch.block_pos, q)
@@ -128,15 +129,21 @@ class DraftLayer(nn.Module):
 
 
 class TokenIO:
-    """Token embedding and output logits of a drafter (frozen copies of the target's, Gemma's scalings)."""
+    """Token embedding and output logits of a drafter (frozen copies of the target's, Gemma's scalings), and
+    a pruned draft vocabulary's map back to the target's ids."""
 
     embed_tokens: nn.Embedding
     lm_head: nn.Module
 
     def set_output_scaling(self, config: DrafterConfig) -> None:
-        gemma = config.family == "gemma4"
-        self.embed_scale = config.hidden_size**0.5 if gemma else None
-        self.softcap = getattr(config.backbone, "final_logit_softcapping", None) if gemma else None
+        self.embed_scale, self.softcap = config.token_scaling()
+        self.vocab_size = config.vocab_size
+        if config.draft_vocab_size is not None:
+            # speculators' layout: target id = draft id + d2t[draft id]; t2d marks the target ids kept.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)  # the module, not its weight: a target's may be split over ranks
@@ -145,29 +152,38 @@ class TokenIO:
         return x
 
     def compute_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (fp32) of final-normed hidden states, over the whole vocabulary or only `rows`; Gemma:
-        softcapped (before any Markov bias)."""
+        """Logits (fp32) of final-normed hidden states over the drafter's output vocabulary or only `rows`
+        of it; Gemma: softcapped (before any Markov bias)."""
         logits = (self.lm_head(h) if rows is None else F.linear(h, self.lm_head.weight[rows])).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[.., output vocab] -> [.., target vocab]: a pruned vocabulary's logits at their target ids, -inf
+        (probability 0) at the ids the drafter cannot propose."""
+        if self.d2t is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.d2t + torch.arange(len(self.d2t))] = logits
+        return out
 
 
 class DSparkDraftModel(TokenIO, nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.config = config
-        hidden, vocab = config.hidden_size, config.vocab_size
+        hidden, vocab, out_vocab = config.hidden_size, config.vocab_size, config.output_vocab_size
         self.rotary = draft_rotary(config)
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(DraftLayer(config, i, self.rotary) for i in range(config.num_layers))
         self.norm = _norm(config, hidden)
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = _norm(config, hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head = nn.Linear(hidden, out_vocab, bias=False)
         rank = config.markov_rank
         self.markov_head: MarkovHead | None = (
-            build_markov_head(config.markov_head_type, vocab, hidden, rank) if rank else None
+            build_markov_head(config.markov_head_type, vocab, hidden, rank, out_vocab) if rank else None
         )
         self.confidence_head = (
             ConfidenceHead(hidden, rank if config.confidence_with_markov else 0)

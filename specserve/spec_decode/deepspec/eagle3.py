@@ -19,10 +19,13 @@ class Eagle3Layer(DraftLayer):
     def __init__(self, config: Eagle3Config, rotary):
         super().__init__(config, 0, rotary, attn_in=2 * config.hidden_size)
         self.hidden_norm = _norm(config, config.hidden_size)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # embedding first
-        return self.residual_and_mlp(hidden, self.self_attn(x, None, batch))
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
+        residual = normed if self.norm_before_residual else hidden
+        return self.residual_and_mlp(residual, self.self_attn(x, None, batch))
 
 
 class Eagle3DraftModel(TokenIO, nn.Module):
@@ -35,7 +38,7 @@ class Eagle3DraftModel(TokenIO, nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config, self.rotary)])
         self.norm = _norm(config, hidden)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(hidden, config.output_vocab_size, bias=False)
         self.set_output_scaling(config)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,13 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 class MarkovHead(nn.Module):
     """bias(prev) = markov_w2.weight @ W1[prev]: a rank-r bigram correction of the base logits."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, output_vocab_size: int | None = None):
+        """W1 reads the previous token (any of the target's vocabulary), W2 writes the drafter's output
+        vocabulary (a pruned one when `output_vocab_size` says)."""
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, output_vocab_size or vocab_size, bias=False)
 
     def prev_features(self, prev: torch.Tensor) -> torch.Tensor:
         """W1[prev] [..., r]: also the confidence head's Markov input."""
@@ -65,8 +67,8 @@ class MarkovHead(nn.Module):
 class GatedMarkovHead(MarkovHead):
     """bias = W2 (g * W1[prev]), g = sigmoid(gate_proj([h; W1[prev]])): the hidden state gates the bigram."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
-        super().__init__(vocab_size, hidden_size, rank)
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, output_vocab_size: int | None = None):
+        super().__init__(vocab_size, hidden_size, rank, output_vocab_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def transition(self, prev, h, state):
@@ -82,8 +84,8 @@ class RNNMarkovHead(MarkovHead):
     bias = W2 tanh(output).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
-        super().__init__(vocab_size, hidden_size, rank)
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, output_vocab_size: int | None = None):
+        super().__init__(vocab_size, hidden_size, rank, output_vocab_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def initial_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
@@ -98,11 +100,13 @@ class RNNMarkovHead(MarkovHead):
         return torch.tanh(output), state
 
 
-def build_markov_head(kind: str, vocab_size: int, hidden_size: int, rank: int) -> MarkovHead:
+def build_markov_head(
+    kind: str, vocab_size: int, hidden_size: int, rank: int, output_vocab_size: int | None = None
+) -> MarkovHead:
     heads = {"vanilla": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNMarkovHead}
     if kind not in heads:
         raise ValueError(f"markov_head_type must be one of {', '.join(heads)}, got {kind!r}")
-    return heads[kind](vocab_size, hidden_size, rank)
+    return heads[kind](vocab_size, hidden_size, rank, output_vocab_size)
 
 
 class ConfidenceHead(nn.Module):

@@ -32,7 +32,10 @@ class DSparkDrafter(HiddenStateDrafter):
     def __init__(self, model: DSparkDraftModel, target: TargetContext, calibrated: bool = True):
         super().__init__(model, target, DrafterLayout.of_checkpoint(model), model.config.block_size)
         self.block_size = model.config.block_size
-        self.default_num_tokens = model.config.block_size
+        # Slot of the first draft: 0 with DeepSpec's anchor-first blocks, 1 with z-lab's 1+N infill
+        # (slot 0 then only carries the anchor).
+        self.first_slot = model.config.first_draft_slot
+        self.max_drafts = self.default_num_tokens = model.config.max_drafts
         self.mask_token_id = model.config.mask_token_id
         self.has_confidence_head = model.confidence_head is not None
         directory = getattr(model, "checkpoint_dir", None)
@@ -50,21 +53,21 @@ class DSparkDrafter(HiddenStateDrafter):
                 "use method 'dspark'"
             )
         k = spec.num_speculative_tokens
-        if k is not None and k > config.block_size:
+        if k is not None and k > config.max_drafts:
             raise SpecserveError(
-                f"num_speculative_tokens={k} exceeds the drafter's block_size={config.block_size} "
-                "(a block of B slots drafts at most B tokens)"
+                f"num_speculative_tokens={k} exceeds the {config.max_drafts} drafts a block of the drafter's "
+                f"block_size={config.block_size} gives (sample_from_anchor {config.sample_from_anchor})"
             )
         return cls(model, target, calibrated=spec.threshold_semantics != "deepspec")
 
     def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
-        num_tokens = min(num_tokens, self.block_size)
+        num_tokens = min(num_tokens, self.max_drafts)
         ready = self.ready(seqs)
         proposals = [DraftProposal([]) for _ in seqs]
         if not ready or num_tokens < 1:
             return proposals
         ready_seqs = [seqs[i] for i in ready]
-        h = self._backbone(ready_seqs)[:, :num_tokens]
+        h = self._backbone(ready_seqs)[:, : self.first_slot + num_tokens]
         anchors = torch.tensor([s.all_token_ids[-1] for s in ready_seqs])
         for i, proposal in zip(ready, self._sample(h, anchors, ready_seqs)):
             proposals[i] = proposal
@@ -103,11 +106,17 @@ class DSparkDrafter(HiddenStateDrafter):
 
     @torch.inference_mode()
     def _sample(self, h: torch.Tensor, anchors: torch.Tensor, seqs: list[Sequence]) -> list[DraftProposal]:
-        """Left-to-right sampling through the sequential head; keeps every exact q row and confidence."""
+        """Left-to-right sampling through the sequential head; keeps every exact q row and confidence.
+        `h` [R, first_slot + k, H]: the block's slots up to the last draft's."""
+        head = self.model.markov_head
+        state = head.initial_state(len(seqs), h) if head is not None else None
+        if self.first_slot:
+            # The anchor's slot drafts nothing, yet a recurrent head's state passes through it (as trained).
+            if head is not None:
+                _, state = head.transition(anchors, h[:, 0], state)
+            h = h[:, 1:]
         num_seqs, k, _ = h.shape
         base = self.model.compute_logits(h.reshape(num_seqs * k, -1)).view(num_seqs, k, -1)
-        head = self.model.markov_head
-        state = head.initial_state(num_seqs, h) if head is not None else None
         prev = anchors
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows, confidence_logits, peak_rows = [], [], []
@@ -121,6 +130,7 @@ class DSparkDrafter(HiddenStateDrafter):
                 if self.temperatures is not None and i < len(self.temperatures):
                     conf = conf / self.temperatures[i]
                 confidence_logits.append(conf)
+            logits = self.model.target_vocab_logits(logits)
             q, tokens, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             q_rows.append(q)
             peak_rows.append(peaks)

@@ -85,6 +85,7 @@ class Eagle3Drafter(HiddenStateDrafter):
                 )
                 hidden = self.model(torch.tensor([d[-1] for d in drafted]), hidden, batch)
             logits = self.model.compute_logits(self.model.final_hidden(hidden))
+            logits = self.model.target_vocab_logits(logits)
             q, new, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             q_rows.append(q)
             peak_rows.append(peaks)

@@ -45,6 +45,9 @@ class MTPDraftModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target[0].compute_logits(hidden)
 
+    def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits  # the target's own vocabulary
+
 
 class MTPDrafter(Eagle3Drafter):
     @classmethod
