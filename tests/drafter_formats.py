@@ -39,7 +39,12 @@ def layer_fields(target_config, num_layers: int = 1, llama: bool = False) -> dic
 
 def speculators_config(target_config, kind: str, *, tokens: int, llama: bool = False, **fields) -> dict:
     """A speculators config.json of `kind` (eagle3 / dflash / dspark) for a target; `fields` override."""
-    arch = {"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}[kind]
+    arch = {
+        "eagle3": "Eagle3Speculator",
+        "dflash": "DFlashSpeculator",
+        "dspark": "DSparkSpeculator",
+        "dflash2": "DFlash2DraftModel",
+    }[kind]
     n = target_config.num_hidden_layers
     raw = {
         "architectures": [arch],
@@ -66,6 +71,9 @@ def speculators_config(target_config, kind: str, *, tokens: int, llama: bool = F
             "sliding_window_non_causal": False,
             "sample_from_anchor": kind == "dspark",
         }
+    if kind == "dflash2":
+        raw |= {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+        raw["sliding_window_non_causal"] = True
     if kind == "dspark":
         raw |= {
             "markov_rank": 8,
@@ -76,8 +84,11 @@ def speculators_config(target_config, kind: str, *, tokens: int, llama: bool = F
     return raw | fields
 
 
-def zlab_config(target_config, *, modelopt: dict | None = None, **fields) -> dict:
-    """z-lab's DFlash config.json (Model-Optimizer's DSpark export when `modelopt` has its head fields)."""
+def zlab_config(
+    target_config, *, modelopt: dict | None = None, dflash2: dict | None = None, **fields
+) -> dict:
+    """z-lab's DFlash config.json (Model-Optimizer's DSpark export when `modelopt` has its head fields;
+    DFlash2 when `dflash2` has its fields)."""
     config = transformers.Qwen3Config(**layer_fields(target_config))
     raw = config.to_dict() | {
         "architectures": ["DFlashDraftModel"],
@@ -89,6 +100,9 @@ def zlab_config(target_config, *, modelopt: dict | None = None, **fields) -> dic
     }
     if modelopt is not None:
         raw["dflash_config"] |= {"projector_type": "dspark", "shift_label": True} | modelopt
+    if dflash2 is not None:
+        raw["architectures"] = ["DFlash2DraftModel"]
+        raw["dflash_config"] |= {"block_size": raw["block_size"]} | dflash2
     return raw | fields
 
 

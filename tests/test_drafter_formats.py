@@ -19,6 +19,15 @@ from specserve.spec_decode.formats import parse_checkpoint_config
 from tests.drafter_formats import speculators_config, write_drafter, zlab_config
 from tests.test_speculative import repetitive_prompts
 
+# z-lab's DFlash2 fields, with a logit multiplier and softcap as a Gemma-style draft head has.
+ZLAB_DFLASH2 = {
+    "conv_kernel_size": 3,
+    "conv_group_size": 8,
+    "selector_rank": 8,
+    "selector_top_k": 5,
+    "output_multiplier": 0.5,
+    "final_logit_softcapping": 20.0,
+}
 KEPT = [0, 1, 2, *range(3, 256, 2)]  # a pruned draft vocabulary: the special ids and every other token
 
 
@@ -56,6 +65,14 @@ def _formats(target_config) -> dict[str, tuple[dict, dict]]:
             ),
             {"drop": ("embed_tokens.weight", "lm_head.weight")},
         ),
+        "speculators_dflash2": (
+            speculators_config(target_config, "dflash2", tokens=3),
+            {"drop": ("embed_tokens.weight", "lm_head.weight")},
+        ),
+        "zlab_dflash2": (
+            zlab_config(target_config, dflash2=ZLAB_DFLASH2),
+            {"drop": ("embed_tokens.weight", "lm_head.weight")},
+        ),
         "zlab_dflash_block_in_dflash_config": (
             {
                 **{k: val for k, val in zlab_config(target_config).items() if k != "block_size"},
@@ -66,7 +83,7 @@ def _formats(target_config) -> dict[str, tuple[dict, dict]]:
     }
 
 
-BROAD = ("speculators_dspark_pruned", "speculators_eagle3_llama", "zlab_dflash")
+BROAD = ("speculators_dspark_pruned", "speculators_eagle3_llama", "zlab_dflash", "zlab_dflash2")
 FORMATS = [
     "speculators_dflash",
     "speculators_dspark_pruned",
@@ -76,11 +93,13 @@ FORMATS = [
     "zlab_dflash",
     "modelopt_dspark_gated",
     "zlab_dflash_block_in_dflash_config",
+    "speculators_dflash2",
+    "zlab_dflash2",
 ]
 
 
 def _method(name: str) -> str:
-    return "eagle3" if "eagle3" in name else "dspark" if "dspark" in name else "dflash"
+    return "eagle3" if "eagle3" in name else "dspark" if "dspark" in name else "dflash"  # DFlash2: dflash
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +147,14 @@ def test_what_each_format_means(tiny_model_dir):
     assert modelopt.sample_from_anchor and modelopt.markov_head_type == "gated"
     assert modelopt.confidence_head and modelopt.confidence_with_markov
     assert configs["zlab_dflash_block_in_dflash_config"].block_size == 3
+    dflash2 = configs["zlab_dflash2"]
+    assert (dflash2.conv_kernel_size, dflash2.conv_group_size, dflash2.selector_rank) == (3, 8, 8)
+    assert dflash2.selector_top_k == 5 and dflash2.max_drafts == 3
+    assert dflash2.logit_scale == 0.5 and dflash2.logit_softcap == 20.0
+    assert (
+        configs["speculators_dflash2"].selector_top_k == 6
+        and not configs["speculators_dflash2"].sample_from_anchor
+    )
 
 
 # Every format on the dense Qwen3 target; on Gemma 4 and the hybrid Qwen3.5 one of each layout (the rest
@@ -185,7 +212,7 @@ def observed_drafter(directory: str, target_dir, tokens: list[int], num_context:
     return drafter, seq, features
 
 
-@pytest.mark.parametrize("name", ["zlab_dflash", "speculators_dspark_pruned"])
+@pytest.mark.parametrize("name", ["zlab_dflash", "speculators_dspark_pruned", "zlab_dflash2"])
 def test_drafts_come_from_the_slots_the_convention_says(name, tiny_model_dir, format_dirs):
     """1+N infill (z-lab): draft i is slot i's argmax (slot 0 holds the anchor); anchor-first (DeepSpec,
     speculators' DSpark): draft i is slot i-1's. A pruned vocabulary maps draft ids to target ids."""
@@ -199,7 +226,17 @@ def test_drafts_come_from_the_slots_the_convention_says(name, tiny_model_dir, fo
         ids = torch.tensor([tokens[a]] + [model.config.mask_token_id] * (block - 1))
         h = model.backbone(model.embed(ids), model.project_context(features), batch)
         slots = h[drafter.first_slot :]
-        if model.markov_head is None:
+        if model.candidate_selector is not None:  # DFlash2: a greedy walk over each slot's top-k
+            logits, prev = [], torch.tensor([tokens[a]])
+            for row in slots:
+                unary = model.compute_logits(row[None])
+                candidates = unary.topk(model.config.selector_top_k).indices
+                scores = model.candidate_selector.candidate_scores(unary, row[None], prev, candidates)
+                step = torch.full_like(unary, float("-inf")).scatter(-1, candidates, scores)
+                prev = step.argmax(-1)
+                logits.append(step[0])
+            logits = torch.stack(logits)
+        elif model.markov_head is None:
             logits = model.compute_logits(slots)
         else:  # greedy through the Markov head, the previous token first the anchor
             logits, prev = [], torch.tensor([tokens[a]])
@@ -214,7 +251,7 @@ def test_drafts_come_from_the_slots_the_convention_says(name, tiny_model_dir, fo
     if model.d2t is not None:
         expected = expected + model.d2t[expected]
         assert set(proposal.token_ids) <= set(KEPT)
-    assert drafter.first_slot == (1 if name == "zlab_dflash" else 0)
+    assert drafter.first_slot == (0 if name == "speculators_dspark_pruned" else 1)
     assert proposal.token_ids == expected.tolist()
     assert len(proposal.token_ids) == block - drafter.first_slot
 
@@ -268,7 +305,15 @@ MALFORMED = {
     "zlab mask": ("zlab_dflash", {"dflash_config.mask_token_id": None}, "dflash_config.mask_token_id"),
     "zlab target layers": ("zlab_dflash", {"num_target_layers": 7}, "num_target_layers is 7"),
     "modelopt rank": ("modelopt_dspark_gated", {"dflash_config.markov_rank": 0}, "dflash_config.markov_rank"),
-    "dflash2": ("zlab_dflash", {"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
+    "dflash2 fields": (
+        "zlab_dflash",
+        {"architectures": ["DFlash2DraftModel"]},
+        "dflash_config.conv_kernel_size",
+    ),
+    "dflash2 taps": ("zlab_dflash2", {"dflash_config.conv_kernel_size": 9}, "conv_kernel_size 9"),
+    "dflash2 groups": ("speculators_dflash2", {"conv_group_size": 7}, "conv_group_size 7"),
+    "dflash2 top k": ("speculators_dflash2", {"selector_top_k": 999}, "selector_top_k 999"),
+    "dflash2 pruned": ("speculators_dflash2", {"draft_vocab_size": 100}, "full vocabulary"),
     "neither": (
         "zlab_dflash",
         {"dflash_config": None, "architectures": ["LlamaForCausalLM"]},
@@ -333,10 +378,8 @@ def _speculators_reference(kind: str, raw: dict, directory: Path, target):
     raw["speculators_config"]["verifier"]["name_or_path"] = None
     raw["transformer_layer_config"]["_attn_implementation"] = "eager"
     config = SpeculatorModelConfig.from_dict(raw)
-    model_class = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}[
-        kind
-    ]
-    model = getattr(core, model_class)(config).eval()
+    model_class = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3", "dflash2": "DFlash2"}[kind]
+    model = getattr(core, model_class + "DraftModel")(config).eval()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for param in model.parameters():
@@ -432,3 +475,71 @@ def test_eagle3_logits_match_the_speculators_package(tiny_model_dir, tmp_path):
         out = ours(ids[0], ours.project_context(features[0]), causal_batch(torch.arange(seq_len)))
         mine = ours.compute_logits(ours.final_hidden(out))
     torch.testing.assert_close(mine, captured[0][0].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_the_dflash2_selector_walks_from_the_anchor(tiny_model_dir, format_dirs):
+    """Each slot's q is the selector's softmax over its unary top-k (0 elsewhere), scored against the
+    token drafted at the slot before: the anchor for the first draft."""
+    target_dir = tiny_model_dir("qwen3")
+    tokens = torch.randint(3, 255, (12,), generator=torch.Generator().manual_seed(8)).tolist()
+    drafter, seq, features = observed_drafter(format_dirs("qwen3", "zlab_dflash2"), target_dir, tokens, 9)
+    seq.params.temperature = 1.0
+    model = drafter.model
+    with torch.no_grad():
+        (proposal,) = drafter.propose([seq], 3)
+        batch = dense_block_batch([9], [[9]], drafter.block_size)
+        ids = torch.tensor([tokens[9]] + [model.config.mask_token_id] * (drafter.block_size - 1))
+        h = model.backbone(model.embed(ids), model.project_context(features), batch)[1:]
+        prev = [tokens[9], *proposal.token_ids[:-1]]
+        for i in range(3):
+            unary = model.compute_logits(h[i : i + 1])
+            candidates = unary.topk(5).indices[0]
+            q = proposal.probs[i]
+            assert set(q.nonzero().flatten().tolist()) == set(candidates.tolist())
+            scores = model.candidate_selector.candidate_scores(
+                unary, h[i : i + 1], torch.tensor([prev[i]]), candidates[None]
+            )
+            torch.testing.assert_close(q[candidates], scores[0].softmax(-1), atol=1e-5, rtol=1e-4)
+
+
+def test_dflash2_logits_match_the_speculators_package(tiny_model_dir, tmp_path, monkeypatch):
+    """Reference check: speculators' DFlash2 class (convolutions, selector), saved by its save_pretrained,
+    gives the same unary logits and candidate scores in specserve (<= 1e-4)."""
+    target_dir = tiny_model_dir("qwen3")
+    target, target_config, _ = load_model(str(target_dir))
+    raw = speculators_config(target_config, "dflash2", tokens=3)
+    reference = _speculators_reference("dflash2", raw, tmp_path, target)
+    from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
+
+    ours = load_draft_checkpoint(str(tmp_path), target, target_config)
+    seq_len, anchors = 14, [2, 5, 9]
+    dflash_core = __import__("speculators.models.dflash.core", fromlist=["x"])
+    fixed = (torch.tensor(anchors), torch.ones(len(anchors), dtype=torch.bool))
+    monkeypatch.setattr(dflash_core, "select_anchors", lambda *args: fixed)
+    g = torch.Generator().manual_seed(9)
+    width = len(ours.config.target_layer_ids) * ours.config.hidden_size
+    features = torch.randn(1, seq_len, width, generator=g)
+    ids = torch.randint(3, 250, (1, seq_len), generator=g)
+    with torch.no_grad():
+        hidden, logits, *_ = reference._backbone_forward(
+            features,
+            ids,
+            torch.ones(1, seq_len),
+            torch.randn(1, seq_len, ours.config.hidden_size),
+            torch.zeros(1, seq_len, dtype=torch.long),
+            max_anchors=len(anchors),
+        )
+        block = ours.config.block_size
+        batch = dense_block_batch([seq_len], [anchors], block)
+        block_ids = torch.tensor(
+            [[ids[0, a].item()] + [ours.config.mask_token_id] * (block - 1) for a in anchors]
+        )
+        h = ours.backbone(ours.embed(block_ids.flatten()), ours.project_context(features[0]), batch)
+        unary = ours.compute_logits(h)
+        torch.testing.assert_close(unary, logits[0].float(), atol=1e-4, rtol=1e-4)
+        prev = ids[0, torch.tensor(anchors)[:, None] + torch.arange(block)]
+        prev = torch.cat([prev[:, :1], prev[:, :-1]], 1).flatten()
+        candidates = unary.topk(ours.config.selector_top_k).indices
+        expected = reference.candidate_selector.score_candidates(logits[0], hidden[0], prev, candidates)
+        mine = ours.candidate_selector.candidate_scores(unary, h, prev, candidates)
+        torch.testing.assert_close(mine, expected.float(), atol=1e-4, rtol=1e-4)

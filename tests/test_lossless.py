@@ -2,7 +2,8 @@
 exact target distribution, computed by enumeration with transformers; a broken sampler fails the test, and
 so does a verify policy that reads a draft's own probability.
 Every drafter kind runs here (draft model; DSpark with each sequential head, with and without confidence
-truncation; DFlash), its sampled requests batched together with greedy requests on other prompts."""
+truncation; DFlash; 1+N infill and pruned-vocabulary drafters of the speculators format; DFlash2's candidate
+selector), its sampled requests batched together with greedy requests on other prompts."""
 
 from __future__ import annotations
 
@@ -84,14 +85,16 @@ def drafters(models, tmp_path_factory):
 
     def other_format(kind: str, draft_vocab: int | None = None) -> str:
         _, target_config, _ = load_model(target_dir)
-        if kind == "dflash":  # with a flattened LM head of its own: poor, not useless
-            raw = speculators_config(target_config, "dflash", tokens=3, aux_hidden_state_layer_ids=[1])
+        if kind in ("dflash", "dflash2"):  # with a flattened LM head of its own: poor, not useless
+            raw = speculators_config(target_config, kind, tokens=3, aux_hidden_state_layer_ids=[1])
+            raw["selector_top_k"] = 12  # DFlash2
             options = {"drop": ("embed_tokens.weight",), "head_scale": 0.02}
         else:
             raw = speculators_config(target_config, "dspark", tokens=3, draft_vocab_size=draft_vocab)
             raw |= {"sample_from_anchor": False, "aux_hidden_state_layer_ids": [1], "mask_token_id": V - 1}
             options = {"kept_ids": list(range(1, 1 + draft_vocab))}
-        return str(write_drafter(target_dir, tmp_path_factory.mktemp(kind), raw, std=0.05, **options))
+        std = 0.01 if kind == "dflash2" else 0.05  # (DFlash2: flatter, so that its third drafts survive too)
+        return str(write_drafter(target_dir, tmp_path_factory.mktemp(kind), raw, std=std, **options))
 
     vanilla = dspark("vanilla")
     # Step time 1 + 0.0002 B: at ~1000 decoding requests a draft pays when its survival exceeds ~0.17, at
@@ -141,6 +144,8 @@ def drafters(models, tmp_path_factory):
         # it), DFlash.
         "speculators_dspark_pruned": {"method": "dspark", "model": other_format("dspark", V - 6)},
         "speculators_dflash": {"method": "dflash", "model": other_format("dflash")},
+        # DFlash2: q is the candidate selector's distribution over each slot's top 12 (0 elsewhere).
+        "speculators_dflash2": {"method": "dflash", "model": other_format("dflash2")},
     }
 
 
@@ -255,6 +260,7 @@ CASES = {
         ("dspark_async", "temperature_0.7_top_p_top_k"),
         ("speculators_dspark_pruned", "temperature_1"),
         ("speculators_dflash", "temperature_1"),
+        ("speculators_dflash2", "temperature_1"),
     ],
 )
 def test_speculative_sampling_matches_the_target_distribution(drafter, case, models, drafters):

@@ -60,6 +60,12 @@ def init_draft_weights(model: DraftModel, target: CausalLM, seed: int = 0, std: 
     for name, buffer in model.named_buffers():
         if name.endswith("layer_scalar"):
             buffer.fill_(1.0)
+    for name, param in model.named_parameters():
+        if name.endswith("base_kernel"):  # DFlash2's convolutions: identity plus noise
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+            param[:, 0] += 1.0
+        elif name.endswith("_codebook"):  # DFlash2's candidate selector
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 @torch.no_grad()

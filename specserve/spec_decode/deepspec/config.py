@@ -63,6 +63,9 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # a pruned draft vocabulary (`d2t` / `t2d`), else the target's
     # A Qwen3-style drafter of a Gemma target that embeds with the target's own (scaled) embedding.
     embed_scale: float | None = None
+    # z-lab's DFlash2 logits: softcapped (final_logit_softcapping), then times output_multiplier.
+    logit_softcap: float | None = None
+    logit_scale: float = 1.0
 
     ARCHITECTURES: ClassVar[dict[str, str]] = {}  # architectures[0] -> family
     REQUIRED: ClassVar[tuple[str, ...]] = ("target_layer_ids",)
@@ -93,7 +96,7 @@ class DrafterConfig:
         softcap); a Qwen3-style drafter only by `embed_scale`."""
         if self.family == "gemma4":
             return self.hidden_size**0.5, getattr(self.backbone, "final_logit_softcapping", None)
-        return self.embed_scale, None
+        return self.embed_scale, self.logit_softcap
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json"):
@@ -204,6 +207,12 @@ class DSparkConfig(DrafterConfig):
     # DeepSpec's convention: slot i of a block at anchor a predicts the token at a+i+1 (B drafts). False:
     # z-lab's 1+N infill, slot 0 holds the anchor and slot i >= 1 predicts the token at a+i (B-1 drafts).
     sample_from_anchor: bool = True
+    # DFlash2: taps of the convolutions around each sublayer (0: none), channels per dynamic kernel, and
+    # the candidate selector's rank (0: none) and candidates per slot.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     ARCHITECTURES: ClassVar[dict[str, str]] = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4"}
     REQUIRED: ClassVar[tuple[str, ...]] = (
@@ -269,6 +278,30 @@ class DSparkConfig(DrafterConfig):
             source,
             f"markov_rank {self.markov_rank!r}",
         )
+        if self.conv_kernel_size:
+            _check(
+                isinstance(self.conv_kernel_size, int) and 1 <= self.conv_kernel_size <= self.block_size,
+                source,
+                f"conv_kernel_size {self.conv_kernel_size!r} is not in [1, block_size={self.block_size}]",
+            )
+            _check(
+                isinstance(self.conv_group_size, int)
+                and self.conv_group_size >= 1
+                and self.hidden_size % self.conv_group_size == 0,
+                source,
+                f"conv_group_size {self.conv_group_size!r} does not divide hidden_size {self.hidden_size}",
+            )
+        if self.selector_rank:
+            _check(
+                isinstance(self.selector_top_k, int) and 1 <= self.selector_top_k <= self.vocab_size,
+                source,
+                f"selector_top_k {self.selector_top_k!r} is not in [1, vocab_size={self.vocab_size}]",
+            )
+            _check(
+                self.draft_vocab_size is None,
+                source,
+                "a DFlash2 candidate selector needs the full vocabulary (no draft_vocab_size of its own)",
+            )
         if self.markov_rank:
             _check(
                 self.markov_head_type in MARKOV_HEAD_TYPES,

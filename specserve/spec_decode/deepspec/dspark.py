@@ -24,6 +24,7 @@ from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.gemma import plan_layers
 from specserve.spec_decode.deepspec.config import DrafterConfig, DSparkConfig
+from specserve.spec_decode.deepspec.dflash2 import CandidateSelector, GroupedDynamicConv
 from specserve.spec_decode.deepspec.heads import ConfidenceHead, MarkovHead, build_markov_head
 
 
@@ -115,9 +116,21 @@ class DraftLayer(nn.Module):
             self.pre_feedforward_layernorm = _norm(config, hidden)
             self.post_feedforward_layernorm = _norm(config, hidden)
             self.register_buffer("layer_scalar", torch.ones(1))
+        taps = getattr(config, "conv_kernel_size", 0)
+        if taps:  # DFlash2
+            args = (hidden, taps, config.conv_group_size, config.block_size)
+            self.attention_conv, self.mlp_conv = GroupedDynamicConv(*args), GroupedDynamicConv(*args)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, batch: DraftBatch) -> torch.Tensor:
-        return self.residual_and_mlp(h, self.self_attn(self.input_layernorm(h), context, batch))
+        x = self.input_layernorm(h)
+        if self.attention_conv is None:
+            return self.residual_and_mlp(h, self.self_attn(x, context, batch))
+        x, delta = self.attention_conv.prepare(x)
+        h = h + self.attention_conv.finish(self.self_attn(x, context, batch), delta)
+        y, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(y), delta)
 
     def residual_and_mlp(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         if not self.gemma:
@@ -137,6 +150,7 @@ class TokenIO:
 
     def set_output_scaling(self, config: DrafterConfig) -> None:
         self.embed_scale, self.softcap = config.token_scaling()
+        self.logit_scale = config.logit_scale
         self.vocab_size = config.vocab_size
         if config.draft_vocab_size is not None:
             # speculators' layout: target id = draft id + d2t[draft id]; t2d marks the target ids kept.
@@ -157,6 +171,8 @@ class TokenIO:
         logits = (self.lm_head(h) if rows is None else F.linear(h, self.lm_head.weight[rows])).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         return logits
 
     def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -188,6 +204,11 @@ class DSparkDraftModel(TokenIO, nn.Module):
         self.confidence_head = (
             ConfidenceHead(hidden, rank if config.confidence_with_markov else 0)
             if config.confidence_head
+            else None
+        )
+        self.candidate_selector = (
+            CandidateSelector(vocab, hidden, config.selector_rank, config.selector_top_k)
+            if config.selector_rank
             else None
         )
         self.set_output_scaling(config)

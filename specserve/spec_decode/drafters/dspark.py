@@ -130,6 +130,8 @@ class DSparkDrafter(HiddenStateDrafter):
                 if self.temperatures is not None and i < len(self.temperatures):
                     conf = conf / self.temperatures[i]
                 confidence_logits.append(conf)
+            if self.model.candidate_selector is not None:  # DFlash2: its candidates only
+                logits = self.model.candidate_selector.restrict(logits, h[:, i], prev)
             logits = self.model.target_vocab_logits(logits)
             q, tokens, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
             q_rows.append(q)

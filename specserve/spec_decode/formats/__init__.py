@@ -2,7 +2,8 @@
 
 Read from config.json alone, before any weight: DeepSpec's (`architectures` Qwen3DSparkModel, ...), the
 speculators format (`speculators_model_type`), z-lab's DFlash (`DFlashDraftModel` + `dflash_config`) and
-NVIDIA Model-Optimizer's DSpark export (the z-lab layout with `dflash_config.projector_type: "dspark"`).
+NVIDIA Model-Optimizer's DSpark export (the z-lab layout with `dflash_config.projector_type: "dspark"`) and
+DFlash2 (`DFlash2DraftModel`, or speculators' `dflash2`).
 Each becomes a `DrafterConfig` in DeepSpec's conventions (target layer ids: id l is the output of target
 layer l) plus the format's tensor names and whether the checkpoint may leave out the target's embedding
 and LM head.

@@ -7,7 +7,9 @@ their speculative token count, verifier), and per algorithm:
   `fc_norm`, `norm_output`; the layer is a Llama layer (no q/k norms) or a Qwen3 one, after its model_type.
 - dflash / dspark: `aux_hidden_state_layer_ids`, `block_size`, `mask_token_id`, `draft_vocab_size`,
   `sample_from_anchor` (false: slot 0 carries the anchor; DSpark's default true), `sliding_window_non_causal`;
-  dspark adds `markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`.
+  dspark adds `markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`;
+  dflash2 adds `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k` (its blocks default
+  to non-causal sliding-window layers).
   Their layers are Qwen3 layers whatever `transformer_layer_config.model_type` says.
 Layer ids are vLLM's capture ids: id k is the input of target layer k, i.e. the output of layer k - 1.
 Tensors are ours by name (`layers.*`, `fc`, `norm`, `hidden_norm`, `lm_head`, `markov_head.*`,
@@ -28,12 +30,10 @@ from specserve.spec_decode.formats import (
     qwen3_backbone,
 )
 
-SUPPORTED = ("eagle3", "dflash", "dspark")
-NOT_YET = {
-    "peagle": "parallel EAGLE",
-    "mtp": "a standalone MTP layer",
-    "dflash2": "DFlash2",
-}
+SUPPORTED = ("eagle3", "dflash", "dspark", "dflash2")
+NOT_YET = {"peagle": "parallel EAGLE", "mtp": "a standalone MTP layer"}
+# DFlash2's fields and speculators' defaults for them.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 # Flags of the EAGLE-3 layer specserve's EAGLE-3 drafter does not implement; each must be false.
 _EAGLE3_UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")
 _SKIPPED = ("verifier_lm_head.weight", "verifier_norm.weight")  # the trainer's copies; never saved normally
@@ -115,8 +115,9 @@ def _eagle3(raw: dict, layer, target_config, source: str, common: dict) -> Eagle
 
 
 def _block_drafter(raw: dict, layer, kind: str, source: str, common: dict) -> DSparkConfig:
+    dflash2 = kind == "dflash2"
     check_attention_layout(
-        layer, bool(raw.get("sliding_window_non_causal", False)), source, "transformer_layer_config."
+        layer, bool(raw.get("sliding_window_non_causal", dflash2)), source, "transformer_layer_config."
     )
     dspark = kind == "dspark"
     rank = raw.get("markov_rank", 256) if dspark else 0
@@ -134,6 +135,7 @@ def _block_drafter(raw: dict, layer, kind: str, source: str, common: dict) -> DS
         confidence_head=confidence,
         confidence_with_markov=confidence and bool(rank) and with_markov,
         sample_from_anchor=bool(raw.get("sample_from_anchor", dspark)),
+        **({key: raw.get(key, default) for key, default in DFLASH2_DEFAULTS.items()} if dflash2 else {}),
         **common,
     )
     if confidence and not rank and with_markov:
