@@ -304,7 +304,8 @@ class SpeculativeConfig:
     """Speculative decoding settings; the JSON keys are vLLM's (`--speculative-config '{...}'`).
 
     `num_speculative_tokens` defaults to 3 for ngram / draft_model, to the block size for DSpark-type
-    drafters and to 1 for `mtp` (the target's own multi-token-prediction layer, applied recursively).
+    drafters and to 1 for `mtp` (without `model`: the target's own multi-token-prediction layer, applied
+    recursively; with one: a Gemma 4 assistant).
     `verify_policy` decides how many of them each request verifies per step: `fixed` (all),
     `threshold` (DeepSpec's: up to the first draft whose confidence is below `confidence_threshold`),
     `dspark` / `dspark_async` (load-aware, from the confidences and the engine's cost profile: the JSON
@@ -376,10 +377,10 @@ class SpeculativeConfig:
                 bool(self.model),
                 f"method {self.method!r} needs 'model': a drafter checkpoint directory or hub id",
             )
-        if self.method == "mtp":
-            _check(
-                self.model is None, "method 'mtp' drafts with the target's own mtp.* layer: give no 'model'"
-            )
+        _check(
+            self.model is None or isinstance(self.model, str) and bool(self.model),
+            f"model must be a drafter's name or path, got {self.model!r}",
+        )
         if self.method == "ngram":
             _check(
                 isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,

@@ -204,7 +204,7 @@ def test_mtp_needs_a_hybrid_checkpoint_with_its_layer(hybrid_dirs, tiny_model_di
         LLM(str(tiny_model_dir("qwen3")), max_model_len=64, speculative_config={"method": "mtp"})
     with pytest.raises(SpecserveError, match="no mtp"):
         LLM(hybrid_dirs["other"], max_model_len=64, speculative_config={"method": "mtp"})
-    with pytest.raises(SpecserveError, match="give no 'model'"):
+    with pytest.raises(SpecserveError, match="takes a Gemma 4 assistant"):
         LLM(hybrid_dirs["qwen3_5"], speculative_config={"method": "mtp", "model": hybrid_dirs["other"]})
 
 

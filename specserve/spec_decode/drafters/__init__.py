@@ -24,6 +24,10 @@ def build_drafter(config: SpeculativeConfig, target: TargetContext) -> Drafter:
         from specserve.spec_decode.drafters.eagle3 import Eagle3Drafter
 
         return Eagle3Drafter.from_config(config, target)
+    if config.method == "mtp" and config.model:
+        from specserve.spec_decode.drafters.gemma4_assistant import Gemma4AssistantDrafter
+
+        return Gemma4AssistantDrafter.from_config(config, target)
     if config.method == "mtp":
         from specserve.spec_decode.drafters.mtp import MTPDrafter
 

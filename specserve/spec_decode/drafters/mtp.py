@@ -55,7 +55,8 @@ class MTPDrafter(Eagle3Drafter):
         if not isinstance(target.model, HybridQwenForCausalLM):
             raise SpecserveError(
                 "method 'mtp' drafts with the multi-token-prediction layer of a Qwen3-Next / Qwen3.5 "
-                f"checkpoint; this target is a {type(target.model).__name__}"
+                f"checkpoint, or with a Gemma 4 assistant given as 'model'; this target is a "
+                f"{type(target.model).__name__}"
             )
         weights = list(iter_checkpoint_tensors(target.model_dir, prefix="mtp."))
         if not weights:
