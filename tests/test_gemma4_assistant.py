@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from specserve import LLM, SamplingParams, SpecserveError
+from specserve.spec_decode.cost_profile import CostProfile
 from tests.test_speculative import repetitive_prompts
 from tests.tiny_models import VOCAB, build_reference
 
@@ -138,13 +139,16 @@ def test_drafts_match_transformers(kind, gemma):
         torch.testing.assert_close(q[support], logits[support].float().softmax(-1), atol=1e-5, rtol=1e-4)
 
 
-def test_greedy_speculation_equals_greedy_decoding(gemma):
+def test_greedy_speculation_equals_greedy_decoding(gemma, tmp_path):
     target_dir, _, assistants = gemma
     prompts = repetitive_prompts(4, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(target_dir, max_model_len=128).generate(prompts, params)]
-    for kind in ("plain", "ordered"):
-        spec = {"method": "mtp", "model": assistants[kind], "num_speculative_tokens": 3}
+    # A load-aware policy too, on the assistant's peak-probability confidences (drafting priced cheap).
+    profile = CostProfile([1, 2048], [1.0, 3.0], draft_requests=[1, 64], draft_s=[0.5, 0.5])
+    scheduled = {"verify_policy": "dspark", "cost_profile": str(profile.save(tmp_path / "cost.json"))}
+    for kind, policy in (("plain", {}), ("ordered", {}), ("plain", scheduled)):
+        spec = {"method": "mtp", "model": assistants[kind], "num_speculative_tokens": 3, **policy}
         llm = LLM(target_dir, max_model_len=128, speculative_config=spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, kind
         assert llm.engine.spec_stats.num_drafts > 0

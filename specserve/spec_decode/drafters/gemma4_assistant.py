@@ -35,6 +35,7 @@ class Gemma4AssistantDrafter(Drafter):
         self.target = target.model
         self.kv_caches = sources  # [the target's sliding source cache, its full source cache]
         self.capture_layers = (target.model_config.num_hidden_layers - 1,)
+        self.feature_width = target.model_config.hidden_size
         self.default_num_tokens = num_tokens
         self.block_size = target.block_size
         self.vocab_size = target.vocab_size
@@ -73,10 +74,14 @@ class Gemma4AssistantDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
         proposals = [DraftProposal([]) for _ in seqs]
+        # Ready: the target's hidden state before the anchor is here and its cache holds the rows before it
+        # (not so for the cost profiler's requests, which own no blocks of the target's cache).
         ready = [
             i
             for i, s in enumerate(seqs)
-            if (last := self.last.get(s.request_id)) is not None and last[0] == s.num_tokens - 2
+            if (last := self.last.get(s.request_id)) is not None
+            and last[0] == s.num_tokens - 2
+            and len(s.block_table) * self.block_size >= s.num_tokens - 1
         ]
         if not ready or num_tokens < 1:
             return proposals
