@@ -543,3 +543,22 @@ def test_dflash2_logits_match_the_speculators_package(tiny_model_dir, tmp_path, 
         expected = reference.candidate_selector.score_candidates(logits[0], hidden[0], prev, candidates)
         mine = ours.candidate_selector.candidate_scores(unary, h, prev, candidates)
         torch.testing.assert_close(mine, expected.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_grammar_that_allows_none_of_a_narrowed_support_leaves_q_a_distribution():
+    """A drafter that can propose only tokens 3 and 4 under a grammar that allows only 5: q stays the
+    drafter's own distribution (its draft will be rejected), never a row of NaNs."""
+    from types import SimpleNamespace
+
+    from specserve.core.sequence import Sequence
+    from specserve.spec_decode.drafters.base import sample_drafts
+
+    allow_5 = torch.zeros(1, 8, dtype=torch.int32)
+    allow_5[0, 0] = 1 << 5
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=1.0), 64)
+    seq.grammar = SimpleNamespace(mask_after=lambda tokens: allow_5[0])
+    logits = torch.full((1, 256), float("-inf"))
+    logits[0, 3], logits[0, 4] = 1.0, 2.0
+    q, tokens, _ = sample_drafts(logits, [seq], [[]], 256, torch.Generator().manual_seed(0))
+    assert torch.isfinite(q).all() and abs(float(q.sum()) - 1.0) < 1e-6
+    assert tokens[0] in (3, 4) and set(q[0].nonzero().flatten().tolist()) == {3, 4}

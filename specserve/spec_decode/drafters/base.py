@@ -107,5 +107,10 @@ def _transformed(logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[
         add_logit_bias(logits, [r], seqs[r].params.logit_bias)
     if masks:
         rows = list(masks)
-        logits[rows] = mask_logits(logits[rows], torch.stack([masks[r] for r in rows]))
+        masked = mask_logits(logits[rows], torch.stack([masks[r] for r in rows]))
+        # A drafter whose support is narrowed (a pruned vocabulary, DFlash2's candidates, a centroid
+        # vocabulary) may allow no token the grammar does: that row drafts unmasked (q stays a distribution;
+        # its ungrammatical draft is rejected for sure and cut by the speculator).
+        empty = torch.isinf(masked).all(-1)
+        logits[rows] = torch.where(empty[:, None], logits[rows], masked)
     return logits
