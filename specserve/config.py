@@ -296,6 +296,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "dspark", "dflash", "eagle3", "mt
 # Methods whose `model` is a drafter checkpoint (DeepSpec format) that reads the target's hidden states.
 CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
 VERIFY_POLICIES = ("fixed", "threshold", "dspark", "dspark_async")
+SCHEDULED_POLICIES = ("dspark", "dspark_async")  # the load-aware ones, which read the cost profile
 THRESHOLD_SEMANTICS = ("specserve", "deepspec")
 
 

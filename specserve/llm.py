@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
-from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
+from specserve.config import SamplingParams, SpecserveError, SpeculativeConfig
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import RequestOutput
 
@@ -49,10 +49,9 @@ class LLM:
         self, model: str, speculative_config: SpeculativeConfig | dict | str | None = None, **engine_args
     ):
         """Loads `model` (progress on stderr: a first load converts or quantizes, later ones map a cache)."""
-        config = EngineConfig(model=model, **engine_args)
         start = time.monotonic()
         print(f"[specserve] loading {model} ...", file=sys.stderr, flush=True)
-        self.engine = LLMEngine(config, speculative_config)
+        self.engine = LLMEngine.from_args(model, speculative_config, **engine_args)
         print(
             f"[specserve] {loaded_line(self.engine, time.monotonic() - start)}", file=sys.stderr, flush=True
         )

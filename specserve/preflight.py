@@ -4,14 +4,14 @@ converting, for a GGUF not converted yet).
 
 What is checked: the model reference (local name, path, .gguf, hub id) and its architecture; tensor
 parallelism against the head counts; `max_model_len` against the model's context; the KV budget against
-`max_model_len` (the engine's own formula, on the model built on the meta device); quantization against the
-architecture (some linear layer must take it); the drafter: a draft model's name, vocabulary and
-tokenizer against the target's, a drafter checkpoint's presence, MTP's target and weights, the draft
-length a hybrid target can verify.
+`max_model_len` (the engine's own plan for the target's caches, on the model built on the meta device);
+quantization against the architecture (some linear layer must take it); the drafter: a draft model's
+name, vocabulary and tokenizer against the target's, a drafter checkpoint's presence, MTP's target and
+weights, the draft length a hybrid target can verify.
 
-The engine runs these checks first (`LLMEngine`, so `LLM`, the server and the benchmarks), and the CLI
-before it imports the engine. A hub model that is not cached yet is checked once downloaded (its
-config is part of the download).
+`LLMEngine.from_args` runs these checks before it builds the engine (so `LLM`, the server and the
+benchmarks), and the CLI before it imports the engine. A hub model that is not cached yet is checked once
+downloaded (its config is part of the download).
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def _skeleton(text_config, what: str):
 
 def check_before_loading(config: EngineConfig, speculative_config: SpeculativeConfig | None = None) -> None:
     """Raise SpecserveError on anything about `config` and `speculative_config` decidable without weights."""
+    from specserve.core.cache_coordinator import plan_cache_memory
     from specserve.models.sharding import shard_config
-    from specserve.worker.model_runner import kv_cache_blocks
+    from specserve.worker.model_runner import cache_layout
 
     target_files = locate_model(config.model)
     hf_config = model_config(target_files, config.revision)
@@ -80,7 +81,16 @@ def check_before_loading(config: EngineConfig, speculative_config: SpeculativeCo
     text = text_config_of(hf_config)
     max_model_len = effective_max_model_len(config, text)
     skeleton = _skeleton(shard_config(text, config.tensor_parallel_size), config.model)
-    kv_cache_blocks(skeleton, config, max_model_len)
+    # The target's share of the budget alone (a drafter's needs are known once it is loaded).
+    plan_cache_memory(
+        cache_layout(skeleton, config.block_size, config.torch_dtype),
+        config.kv_cache_bytes,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        budget_text=f"kv_cache_memory={config.kv_cache_memory!r}",
+    )
     _check_quantization(skeleton, config.quantization, config.model)
     _check_drafter(speculative_config, target_files, text, skeleton, config)
 

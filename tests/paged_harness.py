@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.layers.attention import AttentionMetadata, KVCache
-from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec, StateCheckpoints
+from specserve.layers.attention import KVCache
+from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec
+from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 
 
 class PagedHarness:
@@ -73,7 +74,7 @@ class PagedHarness:
             marked = [i for i, (seq_id, _) in enumerate(pieces) if seq_id in checkpoint]
             self.checkpoints = StateCheckpoints(marked) if marked else None
             self.checkpointed = {pieces[i][0]: (i, starts[i]) for i in marked}
-        meta = AttentionMetadata.build(
+        meta = ForwardMetadata.build(
             query_start,
             context_lens,
             tables,

@@ -22,7 +22,6 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import LLM
-from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.local_port import free_local_port
 from specserve.server import AsyncEngine, build_app
@@ -94,7 +93,7 @@ def running_server(
     `drain_timeout_s`, by `specserve serve`'s DrainingServer (`srv.server.handle_exit` then drains)."""
     engine_args.setdefault("kv_cache_memory", "16MiB")
     limits = limits or ServerLimits()
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_args), speculative_config)
+    engine = LLMEngine.from_args(str(model_dir), speculative_config, **engine_args)
     async_engine = AsyncEngine(
         engine,
         max_waiting=max_waiting,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specserve.layers import attention, kernels
-from specserve.layers.attention import BATCHED_PIECE_MAX_LEN, AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.attention import BATCHED_PIECE_MAX_LEN, KVCache, plan_of, sdpa_paged_attention
+from specserve.layers.metadata import ForwardMetadata
 
 BLOCK = 16
 MAX_LEN = 640
@@ -43,7 +44,7 @@ class Setup:
             query_start.append(query_start[-1] + n)
             positions += range(start, start + n)
             rows += [(seq, pos) for pos in range(start, start + n)]
-        meta = AttentionMetadata.build(
+        meta = ForwardMetadata.build(
             query_start,
             [start + n for _, start, n in pieces],
             [self.tables[seq] for seq, _, _ in pieces],
@@ -160,11 +161,11 @@ def test_bf16_rows_match_the_reference_and_do_not_depend_on_the_batch():
 
 def test_short_rows_take_the_kernel_where_it_is_built(rows_backend):
     setup = make_setup(64, 14, 2)
-    meta = AttentionMetadata.build([0, 1], [100], [setup.tables[0]], torch.tensor([99]), BLOCK)
+    meta = ForwardMetadata.build([0, 1], [100], [setup.tables[0]], torch.tensor([99]), BLOCK)
     q = setup.queries[0, 99:100]
-    uses_kernel = attention._kernel_fits(q, setup.cache, meta.short.kernel)
+    uses_kernel = attention._kernel_fits(q, setup.cache, plan_of(meta).short.kernel)
     assert uses_kernel == (rows_backend == "kernel")
-    assert not attention._kernel_fits(q.double(), setup.cache, meta.short.kernel)  # dtypes differ
+    assert not attention._kernel_fits(q.double(), setup.cache, plan_of(meta).short.kernel)  # dtypes differ
 
 
 def test_kernel_rejects_keys_outside_the_block_table():

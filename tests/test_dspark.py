@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import SamplingParams, SpecserveError
+from specserve.core.cache_coordinator import DrafterCaches
 from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
 from specserve.spec_decode.context import TargetContext
@@ -66,14 +67,19 @@ def fake_target(block_size=4, greedy_generator_seed=0) -> TargetContext:
         model_dir="unused",
         dtype="float32",
         block_size=block_size,
-        num_kv_blocks=64,
         max_num_seqs=4,
         max_num_batched_tokens=2048,
         max_model_len=512,
-        enable_prefix_caching=False,
         eos_token_ids=frozenset({2}),
         generator=torch.Generator().manual_seed(greedy_generator_seed),
     )
+
+
+def bound(drafter, block_size: int = 4):
+    """`drafter` with its caches, sized as an engine with fake_target's 64 KV blocks would size them."""
+    spec = drafter.cache_spec(block_size)
+    drafter.bind_caches(DrafterCaches.standalone(spec, 64, block_size, max_num_seqs=4))
+    return drafter
 
 
 def sequence(request_id: str, tokens: list[int]) -> Sequence:
@@ -83,7 +89,7 @@ def sequence(request_id: str, tokens: list[int]) -> Sequence:
 
 def incremental_rounds(model, seqs_tokens, features, anchors, cache_block=4):
     """Run the engine drafter's backbone round by round; block hidden states per (sequence, anchor)."""
-    drafter = DSparkDrafter(model, fake_target(cache_block))
+    drafter = bound(DSparkDrafter(model, fake_target(cache_block)), cache_block)
     out = {}
     fed = [0] * len(seqs_tokens)
     for round_ in range(len(anchors[0])):
@@ -190,7 +196,7 @@ def test_markov_bias_orientation_and_the_anchor_as_first_prev(targets):
     prev = torch.tensor([3, 17])
     bias, _ = head.step(prev, torch.zeros(2, model.config.hidden_size), None)
     torch.testing.assert_close(bias, (head.markov_w2.weight @ head.markov_w1.weight[prev].T).T)
-    drafter = DSparkDrafter(model, fake_target())
+    drafter = bound(DSparkDrafter(model, fake_target()))
     h = torch.zeros(1, B, model.config.hidden_size)
     (proposal,) = drafter._sample(h, torch.tensor([5]), [sequence("r", [1, 5])])
     chain, token = [], 5
@@ -231,7 +237,7 @@ def test_gemma_softcap_then_markov_bias(targets, monkeypatch):
     monkeypatch.setattr(
         dspark_drafter, "sample_drafts", lambda logits, *a: seen.append(logits) or real(logits, *a)
     )
-    drafter = DSparkDrafter(model, fake_target())
+    drafter = bound(DSparkDrafter(model, fake_target()))
     h = torch.randn(1, B, model.config.hidden_size) * 200
     with torch.no_grad():
         (proposal,) = drafter._sample(h, torch.tensor([7]), [sequence("r", [1, 7])])
@@ -248,7 +254,7 @@ def test_gemma_softcap_then_markov_bias(targets, monkeypatch):
 def test_confidence_uses_the_previous_token(targets):
     """Pitfall 13: c_i = sigmoid(w [h_i; W1[prev_i]] + b) with prev_0 = the anchor."""
     model = make_drafter_model(targets)
-    drafter = DSparkDrafter(model, fake_target())
+    drafter = bound(DSparkDrafter(model, fake_target()))
     g = torch.Generator().manual_seed(3)
     h = torch.randn(1, B, model.config.hidden_size, generator=g)
     with torch.no_grad():
@@ -392,7 +398,7 @@ def test_eagle3_incremental_rounds_equal_the_full_sequence(arch, targets):
     model = make_eagle3_model(targets, arch)
     tokens, features = case_inputs(model, lengths=(14,))
     tokens, features = tokens[0], features[0]
-    drafter = Eagle3Drafter(model, fake_target(), max_num_tokens=2)
+    drafter = bound(Eagle3Drafter(model, fake_target(), max_num_tokens=2))
     params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     fed = 0
     for a in (5, 6, 11):

@@ -17,19 +17,18 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from specserve.config import SpecserveError
-from specserve.layers.attention import AttentionMetadata
 from specserve.layers.gated_deltanet import (
     RECURRENT_MAX_LEN,
     GatedDeltaNet,
     RecurrentLayout,
     RecurrentState,
     RecurrentStateSpec,
-    StateCheckpoints,
     l2norm,
     recurrent_delta_rule,
     replay_delta_rule,
 )
 from specserve.layers.linear import onednn_available, pack_linears
+from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.models.base import LayerCacheSpec
 from specserve.models.loader import iter_checkpoint_tensors, load_model
 from specserve.models.registry import build_model
@@ -216,7 +215,7 @@ def run_layer(layer, state, pieces: list[tuple[int, int, torch.Tensor]], checkpo
     for _, _, x in pieces:
         query_start.append(query_start[-1] + len(x))
     positions = torch.cat([torch.arange(start, start + len(x)) for _, start, x in pieces])
-    meta = AttentionMetadata.build(
+    meta = ForwardMetadata.build(
         query_start,
         [start + len(x) for _, start, x in pieces],
         [[0] for _ in pieces],
@@ -386,7 +385,7 @@ def test_unknown_model_type_is_a_clear_error(tmp_path):
 
 def test_forward_needs_state_slots(fam):
     harness = PagedHarness(fam.model)
-    meta = AttentionMetadata.build([0, 3], [3], [[0]], torch.arange(3), 4)
+    meta = ForwardMetadata.build([0, 3], [3], [[0]], torch.arange(3), 4)
     with pytest.raises(ValueError, match="state_slots"), torch.no_grad():
         fam.model(torch.tensor([1, 2, 3]), torch.arange(3), meta, harness.kv_caches)
 

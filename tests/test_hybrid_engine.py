@@ -109,7 +109,7 @@ def test_greedy_speculation_equals_plain_greedy(arch, hybrid_dirs, prompts, plai
         else:
             assert stats.num_accepted_tokens < stats.num_draft_tokens, name  # rejections rolled back
         assert llm.engine.block_manager.num_used_blocks == 0, name
-        assert len(llm.engine.scheduler.state_slots.free_slots) == llm.engine.config.max_num_seqs, name
+        assert len(llm.engine.caches.states.free_slots) == llm.engine.config.max_num_seqs, name
 
 
 def test_a_hybrid_draft_model_rolls_its_own_state_back(hybrid_dirs, prompts, plain):
@@ -156,7 +156,7 @@ def test_preemption_recomputes_the_recurrent_state(hybrid_dirs, prompts, plain):
     assert [o.outputs[0].token_ids for o in outs] == plain["qwen3_5"]
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert tight.engine.block_manager.num_used_blocks == 0
-    assert len(tight.engine.scheduler.state_slots.free_slots) == 4
+    assert len(tight.engine.caches.states.free_slots) == 4
 
 
 # ---- sampled speculation on a hybrid target: the chi-square harness of test_lossless -------------------

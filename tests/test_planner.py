@@ -332,7 +332,8 @@ def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeyp
         model=SimpleNamespace(has_recurrent_state=False),
     )
     blocks = SimpleNamespace(can_grow=lambda seq, n: True, grow=lambda seq, n: None, free=lambda seq: None)
-    measure = profiler.CostProfiler(target, SimpleNamespace(forward=forward), blocks, None, 1)
+    caches = SimpleNamespace(kv=SimpleNamespace(blocks=blocks), states=None, state_slot=lambda request: None)
+    measure = profiler.CostProfiler(target, SimpleNamespace(forward=forward), caches, None, 1)
     measure.draft_s, measure.catch_up_s = {1: 0.01, 2: 0.01}, 0.0  # the drafter's points: not under test
     profile = measure.measure()
     # B up to 2 requests x (1 draft + anchor); 2 was off the line from 1 to 4, so 3 was probed too

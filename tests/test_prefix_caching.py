@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.core.block_manager import BlockManager, PrefixStates
+from specserve.core.block_manager import BlockManager
+from specserve.core.cache_groups import PrefixStates
 from specserve.worker.model_runner import kv_bytes_per_block, state_bytes_per_slot
 from tests.server_harness import MODEL_NAME, make_client, running_server, wait_until
 from tests.test_speculative import greedy_bigram_bias, repetitive_prompts
@@ -215,7 +216,7 @@ def test_preemption_and_abort_release_shared_blocks(target_dir):
     assert [o.outputs[0].token_ids for o in outs] == [
         o.outputs[0].token_ids for o in plain.generate(requests, params)
     ]
-    assert sum(o.metrics.num_preemptions for o in outs) > 0 and tight.engine.scheduler.prefix_hits > 0
+    assert sum(o.metrics.num_preemptions for o in outs) > 0 and tight.engine.caches.prefix_hits > 0
     engine, bm = tight.engine, tight.engine.block_manager
     assert bm.num_used_blocks == 0
     # Aborting requests that hold shared blocks gives their references back, mid-prefill or mid-decode.
@@ -244,7 +245,7 @@ def test_many_requests_sharing_a_system_prompt_at_once(target_dir):
     # the first four are admitted together (nothing cached yet); the later ones start from their blocks
     assert [o.num_cached_tokens for o in got[:4]] == [0] * 4
     assert all(o.num_cached_tokens == len(system) // BLOCK * BLOCK for o in got[4:])
-    assert cached.engine.scheduler.prefix_hits == sum(o.num_cached_tokens for o in got)
+    assert cached.engine.caches.prefix_hits == sum(o.num_cached_tokens for o in got)
 
 
 def test_state_checkpoints_are_kept_at_intervals_and_reused_least_recently_used_last():
@@ -313,7 +314,7 @@ def test_a_hybrid_target_without_room_for_state_checkpoints_caches_nothing(tiny_
     memory = 2 * per_slot + 5 * per_block
     assert memory - 2 * per_slot < 4 * per_slot
     llm = LLM(model_dir, max_model_len=64, max_num_seqs=2, kv_cache_memory=memory)
-    assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.scheduler.prefix_states is None
+    assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.caches.states.checkpoints is None
     outs = llm.generate(conversation()[:2], SamplingParams(temperature=0.0, max_tokens=8))
     assert all(o.num_cached_tokens == 0 for o in outs)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from specserve.config import SamplingParams
 from specserve.core.block_manager import BlockManager
+from specserve.core.cache_coordinator import CacheCoordinator
+from specserve.core.cache_groups import PagedEntry, PagedGroup
 from specserve.core.sequence import Sequence, SequenceStatus
 from specserve.engine.detokenizer import Detokenizer
 from specserve.engine.scheduler import Scheduler
@@ -11,6 +13,11 @@ from specserve.engine.scheduler import Scheduler
 
 def seq(name: str, prompt_len: int, **params) -> Sequence:
     return Sequence(name, list(range(prompt_len)), SamplingParams(**params), max_tokens=16)
+
+
+def caches(num_blocks: int, block_size: int) -> CacheCoordinator:
+    """A target's KV cache alone (an attention-only model, no drafter)."""
+    return CacheCoordinator(PagedGroup(BlockManager(num_blocks, block_size)))
 
 
 def run_step(sched: Scheduler, sample_token: int = 7):
@@ -26,7 +33,7 @@ def run_step(sched: Scheduler, sample_token: int = 7):
 
 def test_block_manager_grow_shrink_free():
     bm = BlockManager(num_blocks=8, block_size=4)
-    s = seq("a", 5)
+    s = PagedEntry()
     assert bm.blocks_needed(s, 5) == 2
     bm.grow(s, 9)
     assert len(s.block_table) == 3 and bm.num_free_blocks == 5
@@ -37,7 +44,7 @@ def test_block_manager_grow_shrink_free():
 
 
 def test_prefill_is_chunked_by_the_token_budget_and_decode_joins_it():
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
+    sched = Scheduler(caches(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
     a, b = seq("a", 3), seq("b", 25)
     sched.add(a)
     sched.add(b)
@@ -52,7 +59,7 @@ def test_prefill_is_chunked_by_the_token_budget_and_decode_joins_it():
 
 
 def test_max_num_seqs_limits_admission():
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    sched = Scheduler(caches(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):
         sched.add(seq(str(i), 4))
     plan = run_step(sched)
@@ -61,7 +68,7 @@ def test_max_num_seqs_limits_admission():
 
 
 def test_out_of_blocks_preempts_the_newest_and_requeues_it_first():
-    sched = Scheduler(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    sched = Scheduler(caches(4, 4), max_num_seqs=4, max_num_batched_tokens=100)
     a, b = seq("a", 8), seq("b", 8)  # two blocks each: the cache is full after prefill
     sched.add(a)
     sched.add(b)
@@ -69,7 +76,9 @@ def test_out_of_blocks_preempts_the_newest_and_requeues_it_first():
     plan = run_step(sched)  # a needs a third block: b is preempted
     assert [p.seq.request_id for p in plan.pieces] == ["a"]
     assert plan.preempted == [b] and b.status is SequenceStatus.WAITING
-    assert b.num_computed_tokens == 0 and b.block_table == [] and b.metrics.num_preemptions == 1
+    assert (
+        b.num_computed_tokens == 0 and "b" not in sched.caches.kv.entries and b.metrics.num_preemptions == 1
+    )
     assert sched.waiting[0] is b and b.output_token_ids == [7]  # its sampled token is kept
     sched.finish(a)
     plan = run_step(sched)  # b recomputes prompt + its sampled token in one piece

@@ -19,7 +19,7 @@ from specserve.train.eagle3 import eagle3_training_forward
 from specserve.train.forward import target_features
 from specserve.train.losses import eagle3_loss
 from specserve.train.trainer import Sample, TrainConfig, Trainer
-from tests.test_dspark import fake_target
+from tests.test_dspark import bound, fake_target
 from tests.tiny_models import VOCAB
 
 
@@ -42,7 +42,7 @@ def test_ttt_steps_equal_the_inference_drafter(arch, tiny_model_dir):
     for a in (1, 6, 11):
         tokens = torch.randint(0, VOCAB - 1, (a + 1,), generator=g).tolist()
         features = torch.randn(a + K + 3, width, generator=g)  # rows >= a: later context TTT must not read
-        drafter = Eagle3Drafter(model, fake_target(), max_num_tokens=K)
+        drafter = bound(Eagle3Drafter(model, fake_target(), max_num_tokens=K))
         seq = Sequence("r", tokens[:1], params, 64, output_token_ids=tokens[1:])
         drafter.observe(seq, 0, features[:a])
         (proposal,) = drafter.propose([seq], K)

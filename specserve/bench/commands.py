@@ -127,7 +127,7 @@ def _profile(args: argparse.Namespace) -> int:
     speculator = engine.speculator
     if speculator is None:
         raise SpecserveError("profile needs --speculative-config: the drafter's cost is part of the table")
-    profile = speculator.measure_profile(engine.runner, engine.block_manager)
+    profile = speculator.measure_profile(engine.runner, engine.caches)
     key = speculator.profile_key()
     profile.meta.update(key)
     path = profile.save(args.output or cache_path(key))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import EngineConfig, SpecserveError
+from specserve.core.cache_coordinator import DrafterCaches
 from specserve.engine.engine import LLMEngine
 from specserve.layers.linear import pack_linears
 from specserve.spec_decode.deepspec.checkpoint import build_draft_model, init_draft_weights
@@ -77,6 +78,12 @@ def measure(
         init_draft_weights(draft, engine.model)
         pack_linears(draft)
         drafter = DSparkDrafter(draft, engine.target_context)
+        spec = drafter.cache_spec(engine.config.block_size)
+        drafter.bind_caches(
+            DrafterCaches.standalone(
+                spec, engine.block_manager.num_blocks, engine.config.block_size, max(request_counts)
+            )
+        )
         for num_requests in request_counts:
             draft_ms, verify_ms, decode_ms = measure_round(engine, drafter, num_requests, context, repeats)
             rows.append(CostRow(num_layers, num_requests, draft_ms, verify_ms, decode_ms))
@@ -103,7 +110,7 @@ def measure_round(
         verify_s.append(_timed(lambda: engine.runner.forward(verify, range(len(verify) * (block_size + 1)))))
         decode_s.append(_timed(lambda: engine.runner.forward(decode, range(len(decode)))))
     for seq in seqs:
-        drafter.release(seq)
+        drafter.group.free(seq.request_id)
     return _median_ms(draft_s), _median_ms(verify_s), _median_ms(decode_s)
 
 

@@ -85,9 +85,10 @@ class Timed:
         out = self.runner.forward([piece], range(q))
         return time.perf_counter() - start, out
 
-    def rollback_s(self, checkpoints, keep: int) -> float:
+    def rollback_s(self, keep: int) -> float:
+        """Seconds of rolling the last forward's piece back to its first `keep` tokens."""
         start = time.perf_counter()
-        self.runner.roll_back_states(checkpoints, {0: keep})
+        self.runner.commit_states({0: keep})
         return time.perf_counter() - start
 
     def state_copies_s(self, copies: int) -> float:
@@ -118,9 +119,9 @@ def main(argv: list[str] | None = None) -> None:
             for q in QS:
                 times[name][q].append(timed.forward_s(q)[0])
         for k in replay:
-            _, out = hybrid.forward_s(k + 1)
+            hybrid.forward_s(k + 1)
             # a rejection at the middle draft: the anchor and k // 2 accepted drafts are kept
-            replay[k].append(hybrid.rollback_s(out.checkpoints, 1 + k // 2))
+            replay[k].append(hybrid.rollback_s(1 + k // 2))
             copies[k].append(hybrid.state_copies_s(k + 2))
     med = {name: {q: statistics.median(ts) for q, ts in by_q.items()} for name, by_q in times.items()}
     print(f"context {args.context}, fp32, {torch.get_num_threads()} threads, medians of {args.repeats}")

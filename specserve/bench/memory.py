@@ -30,13 +30,13 @@ def resident_gb() -> float:
 
 
 def measure_here(model: str, quantization: str | None, draft: str | None, kv_cache_memory: str) -> dict:
-    from specserve.config import EngineConfig
+    from specserve.config import EngineConfig, SpeculativeConfig
     from specserve.engine.engine import LLMEngine
 
     before = resident_gb()
     spec = None
     if draft is not None:
-        spec = {"method": "draft_model", "model": draft, "quantization": quantization}
+        spec = SpeculativeConfig("draft_model", model=draft, quantization=quantization)
     config = EngineConfig(
         model, quantization=quantization, kv_cache_memory=kv_cache_memory, max_model_len=2048
     )

@@ -37,7 +37,7 @@ import torch
 
 from specserve.bench.spec_decode import CachedContext
 from specserve.config import SamplingParams
-from specserve.core.sequence import Sequence
+from specserve.core.cache_groups import PagedEntry
 from specserve.layers import kernels
 from specserve.layers.linear import PackedLinear, onednn_linear_padded, onednn_pack
 from specserve.layers.quant import (
@@ -337,14 +337,14 @@ def perplexity(llm: LLM, text_tokens: list[int], window: int, windows: int) -> f
     nll, count = 0.0, 0
     for w in range(windows):
         tokens = text_tokens[w * window : (w + 1) * window]
-        seq = Sequence("bench-ppl", tokens, SamplingParams(), max_tokens=1)
-        engine.block_manager.grow(seq, len(tokens))
+        scratch = PagedEntry()
+        engine.block_manager.grow(scratch, len(tokens))
         try:
             out = engine.runner.forward(
-                [PieceInput(tokens, 0, seq.block_table)], list(range(len(tokens) - 1))
+                [PieceInput(tokens, 0, scratch.block_table)], list(range(len(tokens) - 1))
             )
         finally:
-            engine.block_manager.free(seq)
+            engine.block_manager.free(scratch)
         logp = out.logits.log_softmax(-1)
         targets = torch.tensor(tokens[1:])
         nll -= float(logp[torch.arange(len(targets)), targets].sum())

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import SamplingParams
-from specserve.core.sequence import Sequence
+from specserve.core.cache_groups import PagedEntry
 from specserve.llm import LLM
 from specserve.worker.model_runner import PieceInput
 
@@ -94,22 +94,22 @@ class CachedContext:
     def __init__(self, llm: LLM, context: list[int], room: int):
         self.engine = llm.engine
         self.context_len = len(context)
-        self.seq = Sequence("forward-timer", list(context), SamplingParams(), max_tokens=1)
-        self.engine.block_manager.grow(self.seq, len(context) + room)
+        self.scratch = PagedEntry()
+        self.engine.block_manager.grow(self.scratch, len(context) + room)
         # State slot 0 for a hybrid target: an idle engine's, as its cost profile borrows it.
-        first = PieceInput(list(context), 0, self.seq.block_table, state_slot=0)
+        first = PieceInput(list(context), 0, self.scratch.block_table, state_slot=0)
         self.engine.runner.forward([first], [len(context) - 1])
 
     def forward_seconds(self, tokens: list[int]) -> float:
         piece = PieceInput(
-            tokens, self.context_len, self.seq.block_table, state_slot=0, checkpoint=len(tokens) > 1
+            tokens, self.context_len, self.scratch.block_table, state_slot=0, checkpoint=len(tokens) > 1
         )
         start = time.perf_counter()
         self.engine.runner.forward([piece], list(range(len(tokens))))
         return time.perf_counter() - start
 
     def release(self) -> None:
-        self.engine.block_manager.free(self.seq)
+        self.engine.block_manager.free(self.scratch)
 
 
 def forward_time(llm: LLM, context: int, q: int, repeats: int = 5) -> float:

@@ -1,23 +1,28 @@
-"""One engine step as data: the scheduled pieces, where their rows lie in the flat batch and in the logits
-(computed once, `StepLayout`), and what sampling made of each piece (`PieceResult`)."""
+"""One engine step as data: the scheduled pieces and the state copies to make before the forward
+(`StepBatch`), where their rows lie in the flat batch and in the logits (computed once, `StepLayout`), what
+sampling made of each piece (`PieceResult`), and the state operations that commit it (`StepCommit`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from specserve.core.cache_groups import StateCopy
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
 
 
 @dataclass
 class ScheduledPiece:
-    """`num_tokens` tokens of `seq` from position `start`, then the drafts of `draft` to verify."""
+    """`num_tokens` tokens of `seq` from position `start`, then the drafts of `draft` to verify; the cache
+    blocks and recurrent-state slot its sequence holds."""
 
     seq: Sequence
     start: int
     num_tokens: int
     draft: DraftProposal | None = None
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -103,22 +108,33 @@ class StepLayout:
 
 @dataclass
 class StepBatch:
-    """The scheduler's answer for one step: what runs, and what was preempted to make room."""
+    """The scheduler's answer for one step: what runs, what was preempted to make room, and the state
+    copies to make before the forward (requests starting from a prefix hit's kept recurrent state)."""
 
     pieces: list[ScheduledPiece] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    restores: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(p.num_query_tokens for p in self.pieces)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PieceResult:
     """What a sampling piece adds to its request: a sampled token, or its accepted drafts and the corrected
-    or bonus token. `num_emitted` is how many of them the request kept (fewer when a stop ends it)."""
+    or bonus token."""
 
     token_ids: list[int]
     num_accepted: int = 0
     logprobs: list[dict[int, float]] | None = None
-    num_emitted: int = 0
+
+
+@dataclass
+class StepCommit:
+    """The recurrent-state operations that commit a step, after sampling: each verified piece's state back
+    to its first `keep[i]` tokens (its own and the accepted drafts), then the copies that keep states for
+    the prefix cache."""
+
+    keep: dict[int, int] = field(default_factory=dict)
+    saves: list[StateCopy] = field(default_factory=list)

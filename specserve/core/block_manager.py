@@ -1,7 +1,5 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, per-sequence block tables, ref counts, the
-prefix cache; and the recurrent-state slots of hybrid models, one per running sequence.
-
-Only integers live here; the KV and state tensors themselves belong to the model runner.
+"""Paged cache bookkeeping: fixed-size blocks, a free list, the owners' block tables, ref counts, the
+prefix cache. Only integers live here; the tensors themselves belong to the runners.
 
 Prefix caching: a full block whose tokens are committed is registered under its key, (the content id of
 the block before it, its tokens): a chain, so a key names the whole prefix, and exact (dict lookup compares
@@ -27,65 +25,6 @@ class HasBlockTable(Protocol):
 
     block_table: list[int]
     prefix_ids: list[int]
-
-
-class HasStateSlot(Protocol):
-    state_slot: int | None
-
-
-class SlotPool:
-    """Recurrent-state slots: one taken when a sequence starts running, given back when it finishes or
-    is preempted (it then restarts from position 0, from a zero state). As many slots as sequences may
-    run at once, so taking one never fails."""
-
-    def __init__(self, num_slots: int):
-        self.free_slots: deque[int] = deque(range(num_slots))
-
-    def take(self, owner: HasStateSlot) -> None:
-        owner.state_slot = self.free_slots.popleft()
-
-    def give_back(self, owner: HasStateSlot) -> None:
-        if owner.state_slot is not None:
-            self.free_slots.append(owner.state_slot)
-            owner.state_slot = None
-
-
-class PrefixStates:
-    """Hybrid targets: a prefix-cache hit needs the recurrent state at its end as well. A few checkpoint
-    slots (beside the running sequences' state slots) hold the state after prefixes that end at a
-    multiple of `interval` tokens, keyed by the content id of the prefix's last block; the least recently
-    used one is overwritten when a new prefix needs a slot."""
-
-    def __init__(self, slots: range, interval: int, block_size: int):
-        self.free_slots = deque(slots)
-        self.slot_of: OrderedDict[int, int] = OrderedDict()  # content id -> checkpoint slot, LRU first
-        self.blocks_per_interval = interval // block_size
-
-    @property
-    def capacity(self) -> int:
-        return len(self.free_slots) + len(self.slot_of)
-
-    def usable(self, prefix_ids: list[int]) -> int:
-        """Of a hit on blocks with these content ids, how many blocks lead to a kept state."""
-        every = self.blocks_per_interval
-        for n in range(len(prefix_ids) // every * every, 0, -every):
-            if prefix_ids[n - 1] in self.slot_of:
-                return n
-        return 0
-
-    def take(self, content_id: int) -> int:
-        """The slot holding the state after the prefix `content_id` ends (a hit from `usable`)."""
-        self.slot_of.move_to_end(content_id)
-        return self.slot_of[content_id]
-
-    def slot_for(self, content_id: int, num_blocks: int) -> int | None:
-        """Where to keep the state after a prefix of `num_blocks` blocks ending in `content_id`; None when
-        it is not at an interval or already kept."""
-        if num_blocks % self.blocks_per_interval or content_id in self.slot_of or not self.capacity:
-            return None
-        slot = self.free_slots.popleft() if self.free_slots else self.slot_of.popitem(last=False)[1]
-        self.slot_of[content_id] = slot
-        return slot
 
 
 class BlockManager:

@@ -60,11 +60,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    prefix_ids: list[int] = field(default_factory=list)  # content ids of its leading cached blocks
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
-    state_slot: int | None = None  # recurrent-state slot while running (hybrid models)
-    restore_state_from: int | None = None  # a prefix hit's checkpoint slot, copied in before it runs
     grammar: RequestGrammar | None = None  # its output constraint (structured outputs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -16,7 +16,8 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecserveError, SpeculativeConfig
 from specserve.core.batch import ScheduledPiece, StepLayout
-from specserve.core.block_manager import BlockManager, PrefixStates, SlotPool
+from specserve.core.block_manager import BlockManager
+from specserve.core.cache_coordinator import CacheCoordinator, plan_cache_memory
 from specserve.core.sequence import Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.input_processor import InputProcessor, PromptType
@@ -32,7 +33,7 @@ from specserve.preflight import check_before_loading, effective_max_model_len
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
 from specserve.structured.grammar import GrammarCompiler, RequestGrammar
-from specserve.worker.model_runner import ModelRunner, PieceInput, kv_cache_blocks, state_checkpoint_slots
+from specserve.worker.model_runner import ModelRunner, PieceInput, PromptScoring, cache_layout
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -48,19 +49,27 @@ def _freeze_import_heap() -> None:
 
 
 class LLMEngine:
-    def __init__(
-        self, config: EngineConfig, speculative_config: SpeculativeConfig | dict | str | None = None
-    ):
+    @classmethod
+    def from_args(
+        cls, model: str, speculative_config: SpeculativeConfig | dict | str | None = None, **engine_args
+    ) -> LLMEngine:
+        """The engine for a user's arguments, parsed and checked before anything loads: a typo or anything
+        config.json and the arguments decide (preflight.py) fails in seconds."""
+        config = EngineConfig(model=model, **engine_args)
+        spec_config = SpeculativeConfig.from_value(speculative_config)
+        check_before_loading(config, spec_config)
+        return cls(config, spec_config)
+
+    def __init__(self, config: EngineConfig, speculative_config: SpeculativeConfig | None = None):
+        """Both configurations come validated (`from_args` parses and checks a user's)."""
         _freeze_import_heap()
         self.config = config
-        spec_config = SpeculativeConfig.from_value(speculative_config)  # a typo fails before loading
-        check_before_loading(config, spec_config)  # so does anything config.json and the arguments decide
         self.model_dir = resolve_model(config.model, revision=config.revision)
         # Tensor parallelism: worker ranks load their shards while this process (rank 0) loads its own.
         split = config.tensor_parallel_size > 1
         self.parallel = TensorParallelExecutor(config.tensor_parallel_size) if split else None
         try:
-            self._build(config, spec_config)
+            self._build(config, speculative_config)
         except BaseException:
             self.close()
             raise
@@ -76,40 +85,40 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = effective_max_model_len(config, self.model_config)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        num_blocks = kv_cache_blocks(self.model, config, self.max_model_len)
-        hybrid = self.model.has_recurrent_state
-        num_slots = config.max_num_seqs if hybrid else 0
-        # A hybrid target's cached prefix needs the recurrent state at its end too (state checkpoints).
-        checkpoints = state_checkpoint_slots(self.model, config)
-        self.enable_prefix_caching = config.enable_prefix_caching and (not hybrid or checkpoints > 0)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.enable_prefix_caching)
-        prefix_states = None
-        if hybrid and self.enable_prefix_caching:
-            slots = range(num_slots, num_slots + checkpoints)
-            prefix_states = PrefixStates(slots, config.state_checkpoint_interval, config.block_size)
-        runner_args = (num_blocks, config.block_size, config.torch_dtype, num_slots + checkpoints)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.speculator = Speculator(spec_config, self.target_context) if spec_config else None
+        # One budget for every cache, the drafter's included.
+        spec = self.speculator
+        drafter_spec = spec.cache_spec(config.block_size) if spec is not None else None
+        layout = cache_layout(self.model, config.block_size, config.torch_dtype, drafter_spec)
+        plan = plan_cache_memory(
+            layout,
+            config.kv_cache_bytes,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            budget_text=f"kv_cache_memory={config.kv_cache_memory!r}",
+        )
+        self.caches = CacheCoordinator.build(
+            plan,
+            layout,
+            block_size=config.block_size,
+            state_checkpoint_interval=config.state_checkpoint_interval,
+        )
+        runner_args = (plan.num_blocks, config.block_size, config.torch_dtype)
+        runner_args += (plan.num_state_slots + plan.num_checkpoints,)
         if self.parallel is not None:
             self.runner = self.parallel.runner(self.model, *runner_args)
         else:
             self.runner = ModelRunner(self.model, *runner_args)
-        self.generator = torch.Generator().manual_seed(config.seed)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.sampler = StepSampler(self.vocab_size, self.generator)
-        self.speculator = (
-            Speculator(spec_config, self.target_context, self.runner, self.block_manager)
-            if spec_config
-            else None
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            SlotPool(num_slots) if num_slots else None,
-            drafter_prefix=self.speculator,
-            prefix_states=prefix_states,
-        )
+        if spec is not None:
+            spec.bind(self.runner, self.caches)
+        self.scheduler = Scheduler(self.caches, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -124,11 +133,9 @@ class LLMEngine:
             model_dir=str(self.model_dir),
             dtype=self.config.dtype,
             block_size=self.config.block_size,
-            num_kv_blocks=self.block_manager.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching,
             eos_token_ids=self.eos_token_ids,
             generator=self.generator,
             tensor_parallel_size=self.config.tensor_parallel_size,
@@ -139,6 +146,11 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
         if self.parallel is not None:
             self.parallel.close()
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The target's KV blocks (what `/metrics` and tests count)."""
+        return self.caches.kv.blocks
 
     @property
     def spec_stats(self) -> SpecStats:
@@ -177,8 +189,6 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             seq.finish("abort")
             self.scheduler.finish(seq)
-            if self.speculator is not None:
-                self.speculator.release(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -194,63 +204,62 @@ class LLMEngine:
         spec = self.speculator
         plan = spec.propose(self.scheduler.decoding(), self.scheduler.load) if spec is not None else None
         batch = self.scheduler.schedule(plan.drafts if plan is not None else None)
-        for seq in batch.preempted:
-            if spec is not None:
-                spec.release(seq)
         if not batch.pieces:
             return []
         now = time.monotonic()
         for piece in batch.pieces:
             if piece.seq.metrics.first_scheduled_time is None:
                 piece.seq.metrics.first_scheduled_time = now
-        for piece in batch.pieces:  # a hybrid prefix hit starts from the checkpointed state
-            if piece.seq.restore_state_from is not None:
-                self.runner.copy_states(piece.seq.restore_state_from, piece.seq.state_slot)
-                piece.seq.restore_state_from = None
         layout = StepLayout(batch.pieces)
         start = time.perf_counter()
         forward = self.runner.forward(
             [
-                PieceInput(p.token_ids, p.start, p.seq.block_table, p.seq.state_slot, p.draft is not None)
+                PieceInput(p.token_ids, p.start, p.block_table, p.state_slot, p.draft is not None)
                 for p in batch.pieces
             ],
             layout.logit_rows,
             capture_layers=spec.capture_layers if spec is not None else (),
+            restores=batch.restores,  # prefix hits of hybrid targets start from a kept state
+            scoring=self._prompt_scoring(batch.pieces, layout),
         )
         results = self.sampler(batch.pieces, layout, forward.logits)
-        self.runner.roll_back_states(  # recurrent states to the accepted prefix (KV: by length, below)
-            forward.checkpoints, {i: layout.num_tokens[i] + results[i].num_accepted for i in layout.verified}
-        )
         verify_s = time.perf_counter() - start
-        self._score_prompts(batch.pieces, layout, forward.hidden)
-        updates = [
-            update
-            for piece, result in zip(batch.pieces, results)
-            if result is not None and (update := self.output_processor.append(piece.seq, result)) is not None
-        ]
-        for src, dst in self.scheduler.update_from_output(batch, results):
-            self.runner.copy_states(src, dst)  # a prefix's state kept for later hits
+        if forward.prompt_scores is not None:
+            self._add_prompt_logprobs(batch.pieces, layout, forward.prompt_scores)
+        updates, emitted = [], [0] * len(results)
+        for i, (piece, result) in enumerate(zip(batch.pieces, results)):
+            if result is not None:
+                emitted[i], update = self.output_processor.append(piece.seq, result)
+                if update is not None:
+                    updates.append(update)
+        commit = self.scheduler.update_from_output(batch, results)
+        # Recurrent states back to the accepted prefix (KV: by length), then kept for the prefix cache.
+        self.runner.commit_states(commit.keep, commit.saves)
         for piece in batch.pieces:
             if piece.seq.is_finished:
                 self.requests.pop(piece.seq.request_id, None)
         if spec is not None:
-            spec.update(plan, batch, layout, results, forward.captured, verify_s)
+            spec.update(plan, batch, layout, results, emitted, forward.captured, verify_s)
         return updates
 
-    def _score_prompts(self, pieces: list[ScheduledPiece], layout: StepLayout, hidden: torch.Tensor) -> None:
-        """Prompt logprobs: each prompt row this forward computed for a request that asks scores the next
-        prompt token; its step joins the sequence's `prompt_logprobs`. They come from the prefill forward
-        alone (never from drafts), chunk by chunk, and are raw, log_softmax of the model's logits (as
-        vLLM's): no logit_bias, penalty, temperature or truncation."""
+    def _prompt_scoring(self, pieces: list[ScheduledPiece], layout: StepLayout) -> PromptScoring | None:
+        """Prompt logprobs: each prompt row this forward computes for a request that asks scores the next
+        prompt token. They come from the prefill forward alone (never from drafts), chunk by chunk, and are
+        raw, log_softmax of the model's logits (as vLLM's): no logit_bias, penalty, temperature or
+        truncation."""
         if not layout.prompt_rows:
-            return
+            return None
         rows, targets = [], []
         for i, piece_rows in layout.prompt_rows.items():
             position = pieces[i].start + piece_rows.start - layout.query_start[i]  # of the piece's first row
             rows += piece_rows
             targets += pieces[i].seq.prompt_token_ids[position + 1 : position + 1 + len(piece_rows)]
         num_top = max(pieces[i].seq.params.prompt_logprobs for i in layout.prompt_rows)
-        scored = self.runner.score(hidden, rows, targets, num_top)
+        return PromptScoring(rows, targets, num_top)
+
+    @staticmethod
+    def _add_prompt_logprobs(pieces: list[ScheduledPiece], layout: StepLayout, scored) -> None:
+        """Each scored row's step joins its sequence's `prompt_logprobs`, in order."""
         at = 0
         for i, piece_rows in layout.prompt_rows.items():
             seq, scored_rows = pieces[i].seq, range(at, at + len(piece_rows))

@@ -17,15 +17,16 @@ class OutputProcessor:
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_ids = eos_token_ids
 
-    def append(self, seq: Sequence, result: PieceResult) -> RequestOutput | None:
-        """Append a piece's new tokens up to the first that ends the request (`result.num_emitted` says
-        how many); the request's update, if it gained any."""
+    def append(self, seq: Sequence, result: PieceResult) -> tuple[int, RequestOutput | None]:
+        """Append a piece's new tokens up to the first that ends the request; how many it kept, and the
+        request's update, if it gained any."""
+        emitted = 0
         for i, token in enumerate(result.token_ids):
             self._append_token(seq, token, result.logprobs[i] if result.logprobs else None)
-            result.num_emitted += 1
+            emitted += 1
             if seq.is_finished:
                 break
-        return self.output(seq) if result.token_ids else None
+        return emitted, self.output(seq) if result.token_ids else None
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
         if seq.metrics.first_token_time is None:

@@ -4,55 +4,29 @@ Every sequence is just "tokens not yet in the KV cache": a new prompt, a prompt 
 token, or a whole sequence again after preemption. So prefill, chunked prefill and decode share one path
 (as in vLLM v1). Running sequences go first (FCFS); waiting ones are admitted while the token budget,
 `max_num_seqs` and free KV blocks allow. When blocks run out, the most recently admitted running
-sequence is preempted: its blocks are freed and it is recomputed later from its tokens, so nothing is lost.
-With prefix caching, a sequence is admitted with the longest cached chain of its full blocks (at most all
-but its last token: a step must compute something) and starts computing after it; a drafter that keeps its
-own context may shorten the hit to what it holds too (`DrafterPrefix`).
+sequence is preempted: its caches are freed and it is recomputed later from its tokens, so nothing is lost.
+With prefix caching, a sequence is admitted with the longest prefix every cache holds (at most all but its
+last token: a step must compute something) and starts computing after it.
 After the step, `update_from_output` commits what was computed: verified drafts extend the cache, rejected
-ones are rolled back by length, the full blocks of committed tokens join the prefix cache, and finished
-sequences leave the batch with their blocks freed.
+ones are rolled back, the full blocks of committed tokens join the prefix cache, and finished sequences
+leave the batch with their caches freed. All cache questions go to the cache coordinator
+(core/cache_coordinator.py); the recurrent-state operations they need travel in the batch and the commit.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import Protocol
 
-from specserve.core.batch import PieceResult, ScheduledPiece, StepBatch
-from specserve.core.block_manager import BlockManager, PrefixStates, SlotPool
+from specserve.core.batch import PieceResult, ScheduledPiece, StepBatch, StepCommit
+from specserve.core.cache_coordinator import CacheCoordinator
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence, SequenceStatus
 
 
-class DrafterPrefix(Protocol):
-    """A drafter with a context of its own, which a cached target prefix must not skip."""
-
-    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
-        """How much of a target prefix hit of `num_tokens` tokens the drafter holds too (block-aligned)."""
-        ...
-
-    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        """`seq` starts with its first `num_tokens` tokens cached: take the drafter's part of them."""
-        ...
-
-
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        state_slots: SlotPool | None = None,
-        drafter_prefix: DrafterPrefix | None = None,
-        prefix_states: PrefixStates | None = None,
-    ):
-        self.block_manager = block_manager
-        self.state_slots = state_slots  # hybrid models: a recurrent-state slot per running sequence
-        self.drafter_prefix = drafter_prefix
-        self.prefix_states = prefix_states  # hybrid targets' state checkpoints for prefix-cache hits
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of them, found
+    def __init__(self, caches: CacheCoordinator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.caches = caches
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -80,7 +54,7 @@ class Scheduler:
         drafts = drafts or {}
         out = StepBatch()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        caches = self.caches
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -88,120 +62,90 @@ class Scheduler:
             if draft is not None:
                 n = min(seq.num_uncomputed_tokens + len(draft.token_ids), budget)
             else:
-                n = self._chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
-            while not bm.can_grow(seq, seq.num_computed_tokens + n) and self.running[-1] is not seq:
+                n = caches.chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
+            end = seq.num_computed_tokens + n
+            while not caches.can_grow(seq.request_id, end) and self.running[-1] is not seq:
                 out.preempted.append(self._preempt(self.running.pop()))
-            if not bm.can_grow(seq, seq.num_computed_tokens + n):
+            if not caches.can_grow(seq.request_id, end):
                 out.preempted.append(self._preempt(self.running.pop()))
                 break
-            bm.grow(seq, seq.num_computed_tokens + n)
+            caches.grow(seq.request_id, end)
             own = min(n, seq.num_uncomputed_tokens)
             verified = draft.truncate(n - own) if n > own else None
-            out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, own, verified))
+            out.pieces.append(self._piece(seq, own, verified))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = self._cached_prefix(seq)
-            num_cached = len(cached) * bm.block_size
-            n = self._chunk(seq, num_cached, min(seq.num_tokens - num_cached, budget))
-            if not bm.can_admit(cached, num_cached + n):
+            num_cached = len(cached) * caches.block_size
+            n = caches.chunk(num_cached, min(seq.num_tokens - num_cached, budget))
+            if not caches.can_admit(cached, num_cached + n):
                 break
             self.waiting.popleft()
-            self._admit(seq, cached)
-            bm.grow(seq, seq.num_computed_tokens + n)
+            out.restores += caches.admit(seq.request_id, seq.all_token_ids, cached)
+            if seq.metrics.first_scheduled_time is None:
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            caches.grow(seq.request_id, num_cached + n)
             seq.status = SequenceStatus.RUNNING
-            if self.state_slots is not None:
-                self.state_slots.take(seq)
             self.running.append(seq)
-            out.pieces.append(ScheduledPiece(seq, seq.num_computed_tokens, n))
+            out.pieces.append(self._piece(seq, n))
             budget -= n
         return out
 
-    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
-        """A prompt chunk from `start`: with state checkpoints it ends at the next interval it reaches,
-        where the state is kept."""
-        if self.prefix_states is None:
-            return n
-        interval = self.prefix_states.blocks_per_interval * self.block_manager.block_size
-        return min(n, (start // interval + 1) * interval - start)
+    def _piece(self, seq: Sequence, num_tokens: int, draft: DraftProposal | None = None) -> ScheduledPiece:
+        caches = self.caches
+        return ScheduledPiece(
+            seq,
+            seq.num_computed_tokens,
+            num_tokens,
+            draft,
+            caches.block_table(seq.request_id),
+            caches.state_slot(seq.request_id),
+        )
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` may start from (it is waiting, with nothing computed). Cached tokens get
         no logits, so a request that asks for prompt logprobs takes none past the prompt it has scored
         (none at first; after a preemption, what it scored before)."""
-        bm = self.block_manager
         limit = seq.num_tokens - 1
         if seq.params.prompt_logprobs is not None:
             limit = min(limit, len(seq.prompt_logprobs))
-        cached = bm.match(seq.all_token_ids, limit) if bm.enable_prefix_caching else []
-        if cached and self.drafter_prefix is not None:
-            usable = self.drafter_prefix.cached_prefix_len(seq, len(cached) * bm.block_size)
-            cached = cached[: usable // bm.block_size]
-        if cached and self.prefix_states is not None:
-            cached = cached[: self.prefix_states.usable(bm.content_ids(cached))]
-        return cached
-
-    def _admit(self, seq: Sequence, cached: list[int]) -> None:
-        bm = self.block_manager
-        num_cached = len(cached) * bm.block_size
-        if bm.enable_prefix_caching:
-            bm.attach(seq, cached)
-            if self.drafter_prefix is not None:
-                self.drafter_prefix.attach_cached_prefix(seq, num_cached)
-            if self.prefix_states is not None and cached:
-                seq.restore_state_from = self.prefix_states.take(seq.prefix_ids[-1])
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += num_cached
-            if seq.metrics.first_scheduled_time is None:
-                seq.num_cached_tokens = num_cached
-        seq.num_computed_tokens = num_cached
+        return self.caches.prefix_hit(seq.all_token_ids, limit)
 
     def _preempt(self, seq: Sequence) -> Sequence:
-        self._release(seq)
+        self.caches.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
         return seq
 
-    def update_from_output(
-        self, batch: StepBatch, results: list[PieceResult | None]
-    ) -> list[tuple[int, int]]:
-        """Commit a step: the cache now holds each piece's tokens and its accepted drafts; the blocks past
-        them (rejected drafts) go back to the free list, a length change; finished sequences leave.
-        Returns the recurrent states to keep for the prefix cache, (state slot, checkpoint slot) pairs to
-        copy before the next step."""
-        saves = []
-        for piece, result in zip(batch.pieces, results):
+    def update_from_output(self, batch: StepBatch, results: list[PieceResult | None]) -> StepCommit:
+        """Commit a step: the cache now holds each piece's tokens and its accepted drafts; what it holds past
+        them (rejected drafts) is rolled back; finished sequences leave. Returns the recurrent-state
+        operations that go with it, for the runner."""
+        commit = StepCommit()
+        for i, (piece, result) in enumerate(zip(batch.pieces, results)):
             seq = piece.seq
-            seq.num_computed_tokens += piece.num_tokens + (result.num_accepted if result is not None else 0)
-            self.block_manager.commit(seq, seq.num_computed_tokens, lambda seq=seq: seq.all_token_ids)
-            if self.prefix_states is not None:
-                saves += self._state_to_keep(seq)
+            accepted = result.num_accepted if result is not None else 0
+            seq.num_computed_tokens += piece.num_tokens + accepted
+            commit.saves += self.caches.commit(
+                seq.request_id, seq.num_computed_tokens, lambda seq=seq: seq.all_token_ids
+            )
+            if piece.draft is not None and piece.state_slot is not None:
+                commit.keep[i] = piece.num_tokens + accepted
             if seq.is_finished:
                 self.finish(seq)
             elif piece.draft is not None:
-                self.block_manager.shrink(seq, seq.num_tokens)
-        return saves
-
-    def _state_to_keep(self, seq: Sequence) -> list[tuple[int, int]]:
-        """The copy that keeps `seq`'s state if its committed tokens end a cached block at an interval."""
-        num_blocks, partial = divmod(seq.num_computed_tokens, self.block_manager.block_size)
-        if partial or not 0 < num_blocks <= len(seq.prefix_ids):
-            return []
-        slot = self.prefix_states.slot_for(seq.prefix_ids[num_blocks - 1], num_blocks)
-        return [(seq.state_slot, slot)] if slot is not None else []
+                self.caches.roll_back(seq.request_id, seq.num_tokens)
+        return commit
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and free its blocks at once."""
+        """Remove a finished or aborted sequence wherever it is and free its caches at once."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        if self.state_slots is not None:
-            self.state_slots.give_back(seq)
+        self.caches.free(seq.request_id)

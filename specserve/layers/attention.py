@@ -14,23 +14,22 @@ compiled kernels are built (CPU, fp32 or bf16), the short rows are attended by `
 instead (kernels/attention.cpp): the same per-row arithmetic, reading K/V in place through the block table,
 ~5x cheaper than the gather and the per-row SDPA calls at decode sizes.
 
-The metadata is built once per engine step and shared by every layer; layers only write their new K/V
-into the cache and call the backend.
+The forward's metadata (`metadata.py`) is built once per step and shared by every layer; the attention
+plan derived from it (which rows are short, which pieces long) too. Layers only write their new K/V into the
+cache and call the backend.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from specserve.layers import kernels
-
-if TYPE_CHECKING:
-    from specserve.layers.gated_deltanet import StateCheckpoints
+from specserve.layers.metadata import ForwardMetadata, slot_mapping
 
 # Pieces with at most this many query rows (decode tokens, verification blocks) are attended row by row;
 # longer ones (prompt chunks) in one masked call each, which is fast but makes a row depend on the piece.
@@ -137,100 +136,56 @@ class LongPiece:
         return self._masks[sliding_window]
 
 
-def padded_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
-    """[P, max blocks] long, zero-padded."""
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-
-
-def slot_mapping(
-    tables: torch.Tensor, table_of_row: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Flat cache slot of each row: row r is at positions[r] of the sequence with table table_of_row[r]."""
-    return tables[table_of_row, positions // block_size] * block_size + positions % block_size
-
-
 @dataclass
-class AttentionMetadata:
-    """Where a step's tokens go in the cache and what each piece may attend to."""
+class AttentionPlan:
+    """How one forward's rows are attended (built once per forward from its metadata, `plan_of`)."""
 
-    slot_mapping: torch.Tensor  # [N] flat cache slot written by each new token
-    query_start: list[int]  # [P + 1] offsets of the pieces in the flat batch
-    context_lens: list[int]  # [P] tokens of the piece's sequence in the cache after this step
-    block_tables: list[list[int]]  # [P] the sequence's cache blocks, in position order
-    positions: torch.Tensor  # [N] absolute position of each new token
-    block_size: int
-    causal: bool = True
-    short: ShortRows | None = None  # rows of the pieces of at most BATCHED_PIECE_MAX_LEN rows
-    long_pieces: list[LongPiece] = field(default_factory=list)
-    state_slots: torch.Tensor | None = None  # [P] long: each piece's recurrent-state slot (hybrid models)
-    checkpoints: StateCheckpoints | None = None  # pieces whose recurrent state may be rolled back
+    short: ShortRows | None  # rows of the pieces of at most BATCHED_PIECE_MAX_LEN rows
+    long_pieces: list[LongPiece]
 
-    @classmethod
-    def build(
-        cls,
-        query_start: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-        positions: torch.Tensor,
-        block_size: int,
-        causal: bool = True,
-        state_slots: torch.Tensor | None = None,
-        checkpoints: StateCheckpoints | None = None,
-    ) -> AttentionMetadata:
-        num_pieces = len(context_lens)
-        q_lens = [query_start[p + 1] - query_start[p] for p in range(num_pieces)]
-        tables = padded_block_tables(block_tables)
-        piece_of_token = torch.repeat_interleave(torch.arange(num_pieces), torch.tensor(q_lens))
-        slots = slot_mapping(tables, piece_of_token, positions, block_size)
-        meta = cls(
-            slot_mapping=slots,
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            positions=positions,
-            block_size=block_size,
-            causal=causal,
-            state_slots=state_slots,
-            checkpoints=checkpoints,
-        )
-        short = [p for p in range(num_pieces) if 0 < q_lens[p] <= BATCHED_PIECE_MAX_LEN]  # empty: no rows
-        meta.short = meta._short_rows(short, tables) if short else None
-        long = [p for p in range(num_pieces) if q_lens[p] > BATCHED_PIECE_MAX_LEN]
-        meta.long_pieces = [meta._long_piece(p, tables) for p in long]
-        return meta
 
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start[-1]
+def plan_of(meta: ForwardMetadata) -> AttentionPlan:
+    return meta.derived(_build_plan)
 
-    def _short_rows(self, pieces: list[int], tables: torch.Tensor) -> ShortRows:
-        positions = self.positions.tolist()
-        rows, row_piece, key_ends = [], [], []
-        for i, p in enumerate(pieces):
-            start, end = self.query_start[p], self.query_start[p + 1]
-            rows += range(start, end)
-            row_piece += [i] * (end - start)
-            if self.causal:
-                key_ends += [pos + 1 for pos in positions[start:end]]
-            else:
-                key_ends += [self.context_lens[p]] * (end - start)
-        return ShortRows(
-            rows=torch.tensor(rows),
-            positions=[positions[r] for r in rows],
-            key_ends=key_ends,
-            pieces=row_piece,
-            first_positions=[positions[self.query_start[p]] for p in pieces],
-            kv_lens=[self.context_lens[p] for p in pieces],
-            tables=tables[torch.tensor(pieces)],
-            block_size=self.block_size,
-        )
 
-    def _long_piece(self, p: int, tables: torch.Tensor) -> LongPiece:
-        start, end = self.query_start[p], self.query_start[p + 1]
-        kv_len = self.context_lens[p]
-        kv_index = slot_mapping(tables, torch.full((kv_len,), p), torch.arange(kv_len), self.block_size)
-        return LongPiece(start, end, kv_index, self.positions[start:end], self.causal)
+def _build_plan(meta: ForwardMetadata) -> AttentionPlan:
+    q_lens = meta.query_lens()
+    short = [p for p in range(meta.num_pieces) if 0 < q_lens[p] <= BATCHED_PIECE_MAX_LEN]  # empty: no rows
+    long = [p for p in range(meta.num_pieces) if q_lens[p] > BATCHED_PIECE_MAX_LEN]
+    return AttentionPlan(
+        short=_short_rows(meta, short) if short else None,
+        long_pieces=[_long_piece(meta, p) for p in long],
+    )
+
+
+def _short_rows(meta: ForwardMetadata, pieces: list[int]) -> ShortRows:
+    positions = meta.positions.tolist()
+    rows, row_piece, key_ends = [], [], []
+    for i, p in enumerate(pieces):
+        start, end = meta.query_start[p], meta.query_start[p + 1]
+        rows += range(start, end)
+        row_piece += [i] * (end - start)
+        if meta.causal:
+            key_ends += [pos + 1 for pos in positions[start:end]]
+        else:
+            key_ends += [meta.context_lens[p]] * (end - start)
+    return ShortRows(
+        rows=torch.tensor(rows),
+        positions=[positions[r] for r in rows],
+        key_ends=key_ends,
+        pieces=row_piece,
+        first_positions=[positions[meta.query_start[p]] for p in pieces],
+        kv_lens=[meta.context_lens[p] for p in pieces],
+        tables=meta.tables[torch.tensor(pieces)],
+        block_size=meta.block_size,
+    )
+
+
+def _long_piece(meta: ForwardMetadata, p: int) -> LongPiece:
+    start, end = meta.query_start[p], meta.query_start[p + 1]
+    kv_len = meta.context_lens[p]
+    kv_index = slot_mapping(meta.tables, torch.full((kv_len,), p), torch.arange(kv_len), meta.block_size)
+    return LongPiece(start, end, kv_index, meta.positions[start:end], meta.causal)
 
 
 class AttentionBackend(Protocol):
@@ -240,7 +195,7 @@ class AttentionBackend(Protocol):
         self,
         q: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        meta: ForwardMetadata,
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
@@ -250,18 +205,19 @@ class AttentionBackend(Protocol):
 def sdpa_paged_attention(
     q: torch.Tensor,
     cache: KVCache,
-    meta: AttentionMetadata,
+    meta: ForwardMetadata,
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, n_heads, d] against the cache (new K/V already written) -> [N, n_heads, d_v]."""
-    if meta.short is not None and not meta.long_pieces:  # every row is a short piece's, in order
-        return _attend_rows(q, cache, meta.short, scale, sliding_window, logit_softcap)
+    plan = plan_of(meta)
+    if plan.short is not None and not plan.long_pieces:  # every row is a short piece's, in order
+        return _attend_rows(q, cache, plan.short, scale, sliding_window, logit_softcap)
     out = q.new_empty(q.shape[0], q.shape[1], cache.v.shape[-1])
-    if meta.short is not None:
-        out[meta.short.rows] = _attend_rows(q, cache, meta.short, scale, sliding_window, logit_softcap)
-    for piece in meta.long_pieces:
+    if plan.short is not None:
+        out[plan.short.rows] = _attend_rows(q, cache, plan.short, scale, sliding_window, logit_softcap)
+    for piece in plan.long_pieces:
         out[piece.start : piece.end] = _attend_piece(q, cache, piece, scale, sliding_window, logit_softcap)
     return out
 

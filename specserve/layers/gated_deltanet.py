@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata
+from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.mlp import activation
 from specserve.layers.norm import GatedRMSNorm
 
@@ -89,15 +89,6 @@ class StateRecord:
     deltas: torch.Tensor  # [C, T, heads, d_v] the recurrence's rank-1 updates
 
 
-class StateCheckpoints:
-    """Asked for by the caller, filled by the layers during one forward: the pieces (indices into the
-    forward's pieces) whose recurrent state may be rolled back, and per layer index what that needs."""
-
-    def __init__(self, pieces: list[int]):
-        self.pieces = sorted(set(pieces))
-        self.layers: dict[int, StateRecord] = {}
-
-
 @dataclass
 class PieceRows:
     """Some pieces laid out [G, T]: the flat row of each piece's t-th token (0 past its end)."""
@@ -139,9 +130,9 @@ class RecurrentLayout:
     checkpointed: PieceRows | None
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, kernel_size: int) -> RecurrentLayout:
+    def build(cls, meta: ForwardMetadata, kernel_size: int) -> RecurrentLayout:
         if meta.state_slots is None:
-            raise ValueError("a model with linear-attention layers needs AttentionMetadata.state_slots")
+            raise ValueError("a model with linear-attention layers needs ForwardMetadata.state_slots")
         qs = meta.query_start
         num_pieces, w = len(qs) - 1, kernel_size - 1
         lengths = [qs[p + 1] - qs[p] for p in range(num_pieces)]

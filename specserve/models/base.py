@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata, KVCache
-from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec, StateCheckpoints
+from specserve.layers.attention import KVCache
+from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec
+from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator (c10 alignment)
 
@@ -41,7 +42,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         kv_caches: Sequence[KVCache | RecurrentState],
         capture_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.attention import KVCache, sdpa_paged_attention
 from specserve.layers.fusion import project
 from specserve.layers.linear import batch_invariant_linear
+from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP, activation
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
@@ -132,7 +133,7 @@ class GemmaAttention(nn.Module):
         self.rotary = RotaryEmbedding(*inverse_frequencies(plan.rope_config, d, plan.layer_type))
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: Sequence[KVCache]
+        self, x: torch.Tensor, positions: torch.Tensor, attn: ForwardMetadata, kv_caches: Sequence[KVCache]
     ) -> torch.Tensor:
         n = x.shape[0]
         cache = kv_caches[self.kv_source]
@@ -285,7 +286,7 @@ class GemmaForCausalLM(CausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         kv_caches: Sequence[KVCache],
         capture_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -12,8 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.attention import KVCache, sdpa_paged_attention
 from specserve.layers.fusion import project
+from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.moe import Experts, route_topk
 from specserve.layers.norm import RMSNorm
@@ -79,7 +80,7 @@ class QwenAttention(nn.Module):
         self.rotary = rotary  # one instance shared by every layer (it holds no parameters)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
+        self, x: torch.Tensor, positions: torch.Tensor, attn: ForwardMetadata, cache: KVCache
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
@@ -137,7 +138,7 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, cache: KVCache
+        self, h: torch.Tensor, positions: torch.Tensor, attn: ForwardMetadata, cache: KVCache
     ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(
             h, self.self_attn(self.input_layernorm(h), positions, attn, cache)
@@ -167,7 +168,7 @@ class QwenForCausalLM(CausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         kv_caches: Sequence[KVCache],
         capture_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

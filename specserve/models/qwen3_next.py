@@ -22,14 +22,14 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata, KVCache
+from specserve.layers.attention import KVCache
 from specserve.layers.gated_deltanet import (
     GatedDeltaNet,
     RecurrentLayout,
     RecurrentState,
     RecurrentStateSpec,
-    StateCheckpoints,
 )
+from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
@@ -77,7 +77,7 @@ class HybridDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         cache: KVCache | RecurrentState,
         layout: RecurrentLayout | None,
     ) -> torch.Tensor:
@@ -122,7 +122,7 @@ class HybridQwenForCausalLM(QwenForCausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         kv_caches: Sequence[KVCache | RecurrentState],
         capture_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -201,7 +201,7 @@ class MultiTokenPredictor(CausalLM):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         cache: KVCache,
     ) -> torch.Tensor:
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)

@@ -21,11 +21,12 @@ from collections.abc import Sequence as Seq
 import torch
 
 from specserve.config import SpecserveError
-from specserve.layers.gated_deltanet import StateCheckpoints
+from specserve.core.cache_groups import StateCopy
 from specserve.local_port import free_local_port
 from specserve.models.sharding import Shard
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
-from specserve.worker.model_runner import ForwardOutput, ModelRunner, PieceInput
+from specserve.parallel.install import install_collectives
+from specserve.worker.model_runner import ForwardOutput, ModelRunner, PieceInput, PromptScoring
 
 TIMEOUT_ENV = "SPECSERVE_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0  # a collective (or the start-up rendezvous) waits this long for a peer
@@ -54,49 +55,32 @@ def threads_per_rank(world_size: int) -> int:
 
 
 class ShardedRunner:
-    """The target's `ModelRunner` on every rank at once. On the driver each call is a command the workers
-    run too; results that stay on a rank (hidden states, state checkpoints) are the last forward's."""
+    """The target's `ModelRunner` on every rank at once: on the driver each call is a command the workers
+    run too (a rank's state checkpoints stay on it, for `commit_states` after the forward)."""
 
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup):
         self.runner = runner
         self.group = group
-        self.last: ForwardOutput | None = None
-        handlers = {"forward": self._forward, "score": self._score, "roll_back": self._roll_back}
-        group.handlers.update(handlers, copy_states=runner.copy_states)
+        group.handlers.update(forward=runner.forward, commit_states=runner.commit_states)
 
     @property
     def model(self):
         return self.runner.model
 
     def forward(
-        self, pieces: Seq[PieceInput], logit_rows: Seq[int], capture_layers: Seq[int] = ()
+        self,
+        pieces: Seq[PieceInput],
+        logit_rows: Seq[int],
+        capture_layers: Seq[int] = (),
+        restores: Seq[StateCopy] = (),
+        scoring: PromptScoring | None = None,
     ) -> ForwardOutput:
-        return self.group.run("forward", list(pieces), list(logit_rows), tuple(capture_layers))
+        args = (list(pieces), list(logit_rows), tuple(capture_layers), list(restores), scoring)
+        return self.group.run("forward", *args)
 
-    def score(self, hidden: torch.Tensor, rows: Seq[int], token_ids: Seq[int], num_top: int):
-        if self.last is None or hidden is not self.last.hidden:
-            raise ValueError("under tensor parallelism only the last forward's hidden states can be scored")
-        return self.group.run("score", list(rows), list(token_ids), num_top)
-
-    def roll_back_states(self, checkpoints: StateCheckpoints | None, keep: dict[int, int]) -> None:
-        if checkpoints is None:
-            return
-        if self.last is None or checkpoints is not self.last.checkpoints:
-            raise ValueError("under tensor parallelism only the last forward's states can be rolled back")
-        self.group.run("roll_back", keep)
-
-    def copy_states(self, src: int, dst: int) -> None:
-        self.group.run("copy_states", src, dst)
-
-    def _forward(self, pieces, logit_rows, capture_layers) -> ForwardOutput:
-        self.last = self.runner.forward(pieces, logit_rows, capture_layers)
-        return self.last
-
-    def _score(self, rows, token_ids, num_top):
-        return self.runner.score(self.last.hidden, rows, token_ids, num_top)
-
-    def _roll_back(self, keep) -> None:
-        self.runner.roll_back_states(self.last.checkpoints, keep)
+    def commit_states(self, keep: dict[int, int], saves: Seq[StateCopy] = ()) -> None:
+        if keep or saves:  # an attention-only model's steps send nothing here
+            self.group.run("commit_states", keep, list(saves))
 
 
 class TensorParallelExecutor:
@@ -151,7 +135,7 @@ class TensorParallelExecutor:
     def runner(
         self, model, num_blocks: int, block_size: int, dtype: torch.dtype, num_slots: int
     ) -> ShardedRunner:
-        self.group.install(model)
+        install_collectives(model, self.group)
         self.group.send(("runner", (num_blocks, block_size, dtype, num_slots)))
         return ShardedRunner(ModelRunner(model, num_blocks, block_size, dtype, num_slots), self.group)
 

@@ -20,11 +20,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from specserve.config import SpecserveError
-from specserve.models.sharding import PARTIAL_BLOCKS, Shard
-from specserve.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+from specserve.models.sharding import Shard
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a worker waits for its next command
 
@@ -156,19 +154,3 @@ class TensorParallelGroup:
     @_collective("shutdown barrier")
     def _farewell(self) -> None:
         dist.barrier()
-
-    # ---- the model's collectives ------------------------------------------------------------------------
-    def install(self, model: nn.Module) -> None:
-        """Sum every decoder layer's partial blocks across ranks, and make the embedding and the LM head
-        whole again (`vocab.py`). Call after quantizing and packing (they replace linear layers)."""
-        for layer in model.model.layers:
-            for name in PARTIAL_BLOCKS:
-                block = getattr(layer, name, None)
-                if isinstance(block, nn.Module):
-                    block.register_forward_hook(lambda _m, _in, out: self.all_reduce(out))
-        vocab = model.config.vocab_size
-        embedding = VocabParallelEmbedding(model.model.embed_tokens, model.vocab_start, vocab, self)
-        model.model.embed_tokens = embedding
-        model.lm_head = head = VocabParallelHead(model.lm_head, vocab, self)
-        self.handlers.update(embed=embedding, embed_weight=embedding.gather_weight)
-        self.handlers.update(head=head, head_weight=head.gather_weight)

@@ -18,6 +18,7 @@ from specserve.models.loader import load_model
 from specserve.models.sharding import Shard
 from specserve.parallel.executor import ShardedRunner, collective_timeout
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
+from specserve.parallel.install import install_collectives
 from specserve.worker.model_runner import ModelRunner
 
 
@@ -29,7 +30,7 @@ def run_worker(shard: Shard, init_method: str, timeout_s: float) -> None:
             return
         torch.set_num_threads(load_args.pop("threads"))
         model, _, _ = load_model(**load_args, shard=shard)
-        group.install(model)
+        install_collectives(model, group)
         runner_args = _expect(group, "runner")
         if runner_args is None:
             return

@@ -539,8 +539,8 @@ class AsyncEngine:
             num_waiting=len(self.engine.scheduler.waiting),
             num_used_blocks=self.engine.block_manager.num_used_blocks,
             num_blocks=self.engine.block_manager.num_blocks,
-            prefix_cache_queries=self.engine.scheduler.prefix_queries,
-            prefix_cache_hits=self.engine.scheduler.prefix_hits,
+            prefix_cache_queries=self.engine.caches.prefix_queries,
+            prefix_cache_hits=self.engine.caches.prefix_hits,
             spec=dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)),
             calibration_ece=spec.calibration.ece_per_position() if spec is not None else [],
         )

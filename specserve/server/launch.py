@@ -9,7 +9,6 @@ from types import FrameType
 
 import uvicorn
 
-from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.llm import loaded_line
 from specserve.server.app import build_app
@@ -92,7 +91,7 @@ def serve(
     limits = limits or ServerLimits()
     start = time.monotonic()
     logger.info("loading %s ...", model)
-    engine = LLMEngine(EngineConfig(model=model, **engine_args), speculative_config)
+    engine = LLMEngine.from_args(model, speculative_config, **engine_args)
     logger.info("%s", loaded_line(engine, time.monotonic() - start))
     async_engine = AsyncEngine(
         engine,

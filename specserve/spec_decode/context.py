@@ -20,11 +20,9 @@ class TargetContext:
     model_dir: str  # the resolved checkpoint directory (MTP reads its mtp.* tensors there)
     dtype: str  # "float32" | "bfloat16" | "float16"
     block_size: int  # tokens per KV block, which drafters' own paged caches use too
-    num_kv_blocks: int  # the target's KV budget in blocks: drafters size their caches after it
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    enable_prefix_caching: bool  # drafters with a cache of their own cache prefixes too
     eos_token_ids: frozenset[int]
     generator: torch.Generator  # unseeded requests draw from the engine's generator
     tensor_parallel_size: int = 1  # ranks the target is split over (its runner's cost depends on it)

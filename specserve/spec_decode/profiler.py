@@ -11,7 +11,8 @@ backlog token costs the drafter, once, on one longer prompt.
 
 `CostProfiler` measures one point per `advance()`: the drafter's points before serving (its caches must be
 free), the target's between engine steps while the engine serves with a fixed k (`Speculator`), or all at
-once (`measure`, for `specserve profile`). Progress goes to stderr.
+once (`measure`, for `specserve profile`). The target's timed steps borrow free capacity from the cache
+coordinator, as a request would: KV blocks, and a hybrid target's state slot. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import SamplingParams
-from specserve.core.block_manager import BlockManager
+from specserve.core.cache_coordinator import CacheCoordinator
+from specserve.core.cache_groups import PagedEntry
 from specserve.core.sequence import Sequence
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.cost_profile import DEFAULT_CONTEXT, CostProfile
@@ -40,6 +42,7 @@ MAX_TARGET_POINTS = 14
 DRAFT_PROMPT = 32  # tokens of each fake request's prompt when timing drafting rounds
 CATCH_UP_PROMPT = 256  # tokens of the one prompt whose feed prices a backlog token
 REPEATS = 3
+TIMING = "cost-profile"  # the request id the target's timed steps hold their state slot under
 
 
 def coarse_grid(cap: int) -> list[int]:
@@ -97,11 +100,11 @@ class CostProfiler:
         self,
         target: TargetContext,
         runner: ModelRunner,
-        block_manager: BlockManager,
+        caches: CacheCoordinator,
         drafter: Drafter,
         num_draft_tokens: int,
     ):
-        self.target, self.runner, self.blocks = target, runner, block_manager
+        self.target, self.runner, self.caches = target, runner, caches
         self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
         self.context = min(DEFAULT_CONTEXT, target.max_model_len - PIECE_LEN - 1)
         schedulable = target.max_num_seqs * (num_draft_tokens + 1)
@@ -112,7 +115,7 @@ class CostProfiler:
         self.draft_points = coarse_grid(target.max_num_seqs)
         self.draft_s: dict[int, float] = {}
         self.catch_up_s: float | None = None
-        self.scratch: Sequence | None = None  # the KV blocks the target's timed steps read
+        self.scratch: PagedEntry | None = None  # the KV blocks the target's timed steps read
         self.bar: tqdm | None = None
 
     # ---- progress -----------------------------------------------------------------------------------------
@@ -151,8 +154,8 @@ class CostProfiler:
     # ---- measuring ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def advance(self) -> bool:
-        """Measure the next point (the drafter's first); False when it must wait (no free KV blocks for the
-        target's timed steps now). Call while `not done`."""
+        """Measure the next point (the drafter's first); False when it must wait (no free KV blocks, or no
+        free state slot, for the target's timed steps now). Call while `not done`."""
         if not self.drafter_done:
             self._measure_drafter_point()
             return True
@@ -164,7 +167,9 @@ class CostProfiler:
         if not self.pending:
             self.pending = self._probes()
         if not self.pending:
-            self.blocks.free(self.scratch)
+            self.caches.kv.blocks.free(self.scratch)
+            if self.caches.states is not None:
+                self.caches.states.free(TIMING)
             self.scratch = None
             self.close_progress()
         return True
@@ -173,7 +178,7 @@ class CostProfiler:
         """Every point now (before the engine serves anything)."""
         while not self.done:
             if not self.advance():
-                raise RuntimeError("no free KV blocks to profile the target with")
+                raise RuntimeError("no free KV blocks or state slot to profile the target with")
         return self.profile()
 
     def profile(self) -> CostProfile:
@@ -193,11 +198,13 @@ class CostProfiler:
         )
 
     def _take_scratch(self) -> bool:
-        needed = self.context + PIECE_LEN
-        scratch = fake_requests(1, needed, self.target.vocab_size)[0]
-        if not self.blocks.can_grow(scratch, needed):
+        needed, blocks, states = self.context + PIECE_LEN, self.caches.kv.blocks, self.caches.states
+        scratch = PagedEntry()
+        if not blocks.can_grow(scratch, needed) or (states is not None and not states.free_slots):
             return False
-        self.blocks.grow(scratch, needed)  # every piece reads the same blocks: timing only
+        blocks.grow(scratch, needed)  # every piece reads the same blocks: timing only
+        if states is not None:  # hybrid targets: a slot of their own, which no request reads meanwhile
+            states.take(TIMING)
         self.scratch = scratch
         # untimed: the first forward pages the weights in and warms the allocator
         self._forward(1)
@@ -205,18 +212,12 @@ class CostProfiler:
 
     def _forward(self, b: int) -> None:
         sizes = [PIECE_LEN] * (b // PIECE_LEN) + ([b % PIECE_LEN] if b % PIECE_LEN else [])
-        table = self.scratch.block_table
-        pieces = [PieceInput([5] * n, self.context, table, state_slot=0) for n in sizes]
+        table, slot = self.scratch.block_table, self.caches.state_slot(TIMING)
+        pieces = [PieceInput([5] * n, self.context, table, state_slot=slot) for n in sizes]
         self.runner.forward(pieces, range(b))  # logits at every row, as verification needs
 
     def _time_target(self, b: int) -> float:
-        # Hybrid targets: slot 0 may be a running request's; its state is put back after the timed steps.
-        saved = self.runner.save_states(0) if self.target.model.has_recurrent_state else None
-        try:
-            return median_seconds(lambda: self._forward(b))
-        finally:
-            if saved is not None:
-                self.runner.restore_states(0, saved)
+        return median_seconds(lambda: self._forward(b))
 
     def _probes(self) -> list[int]:
         """The next B values: after the coarse grid, every gap's geometric middle; after a round of probes,
@@ -246,7 +247,7 @@ class CostProfiler:
                 primed = prime_drafter(self.drafter, [seq], self.num_draft_tokens)
                 round_s = time_draft_round(self.drafter, [seq], self.num_draft_tokens)
             finally:
-                self.drafter.release(seq)
+                self.caches.drafter.free(seq.request_id)
             self.catch_up_s = max(primed - round_s, 0.0) / (CATCH_UP_PROMPT - ACCEPTED_PER_ROUND)
             self._tick(f"catch-up {self.catch_up_s * 1e3:.2f} ms/token")
             return
@@ -257,6 +258,6 @@ class CostProfiler:
             rounds = [time_draft_round(self.drafter, seqs, self.num_draft_tokens) for _ in range(REPEATS)]
         finally:
             for seq in seqs:
-                self.drafter.release(seq)
+                self.caches.drafter.free(seq.request_id)
         self.draft_s[r] = sorted(rounds)[REPEATS // 2]
         self._tick(f"drafting {r} requests {self.draft_s[r] * 1e3:.0f} ms")

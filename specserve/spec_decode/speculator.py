@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.config import SCHEDULED_POLICIES, SpecserveError, SpeculativeConfig
 from specserve.core.batch import PieceResult, StepBatch, StepLayout
-from specserve.core.block_manager import BlockManager
+from specserve.core.cache_coordinator import CacheCoordinator, DrafterCacheSpec
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
 from specserve.core.spec_stats import SpecStats, StepRecord
@@ -33,8 +33,6 @@ from specserve.spec_decode.planner import FixedPlanner, VerifyPlanner, build_pla
 from specserve.spec_decode.profiler import CostProfiler
 from specserve.worker.model_runner import ModelRunner
 
-SCHEDULED_POLICIES = ("dspark", "dspark_async")
-
 
 @dataclass
 class VerifyPlan:
@@ -47,14 +45,11 @@ class VerifyPlan:
 
 
 class Speculator:
-    def __init__(
-        self,
-        config: SpeculativeConfig,
-        target: TargetContext,
-        runner: ModelRunner,
-        block_manager: BlockManager,
-    ):
-        """`runner` and `block_manager` are the target's, read only to measure the cost profile."""
+    """Built from the configuration (its drafter loaded: `cache_spec` says what the drafter's caches need
+    from the engine's budget), then bound to the engine's caches (`bind`), which also gives the scheduled
+    verify policies their cost profile."""
+
+    def __init__(self, config: SpeculativeConfig, target: TargetContext):
         self.config = config
         self.target = target
         self.drafter = build_drafter(config, target)
@@ -69,18 +64,24 @@ class Speculator:
         self.recalibration = Recalibration()  # realised acceptance by position and raw confidence
         self.step_log: deque[StepRecord] = deque(maxlen=1024)  # the latest speculative steps
         self.verification_records: VerificationRecords | None = None  # set to collect STS data
-        # The scheduled policies' cost profile: the configured file, else the one cached for this model /
-        # dtype / threads / drafter, else measured now: the drafter's points at once, the target's one per
-        # step while every request verifies all its drafts (the `fixed` policy), which pays at low load.
+
+    def cache_spec(self, block_size: int) -> DrafterCacheSpec:
+        return self.drafter.cache_spec(block_size)
+
+    def bind(self, runner: ModelRunner, caches: CacheCoordinator) -> None:
+        """The drafter's caches (`caches.drafter`), and the verify planner. The scheduled policies' cost
+        profile: the configured file, else the one cached for this model / dtype / threads / drafter, else
+        measured on the target's `runner` and `caches`: the drafter's points at once, the target's one per
+        step while every request verifies all its drafts (the `fixed` policy), which pays at low load."""
+        self.drafter.bind_caches(caches.drafter)
+        config = self.config
         self.profiler: CostProfiler | None = None
         profile = None
         if config.verify_policy in SCHEDULED_POLICIES:
             profile = CostProfile.load(config.cost_profile) if config.cost_profile else None
             profile = profile or cached_profile(self.profile_key())
             if profile is None:
-                self.profiler = CostProfiler(
-                    target, runner, block_manager, self.drafter, self.num_draft_tokens
-                )
+                self.profiler = CostProfiler(self.target, runner, caches, self.drafter, self.num_draft_tokens)
                 self.profiler.announce(while_serving=True)
                 while not self.profiler.drafter_done:
                     self.profiler.advance()
@@ -94,11 +95,11 @@ class Speculator:
     def profile_key(self) -> dict:
         return profile_key(self.target, self.config.model, self.num_draft_tokens)
 
-    def measure_profile(self, runner: ModelRunner, block_manager: BlockManager) -> CostProfile:
+    def measure_profile(self, runner: ModelRunner, caches: CacheCoordinator) -> CostProfile:
         """The whole cost profile now (the one being measured, finished), before anything is served."""
         profiler = self.profiler
         if profiler is None:
-            profiler = CostProfiler(self.target, runner, block_manager, self.drafter, self.num_draft_tokens)
+            profiler = CostProfiler(self.target, runner, caches, self.drafter, self.num_draft_tokens)
             profiler.announce(while_serving=False)
         return profiler.measure()
 
@@ -176,12 +177,14 @@ class Speculator:
         batch: StepBatch,
         layout: StepLayout,
         results: list[PieceResult | None],
+        emitted: list[int],
         captured: dict[int, torch.Tensor],
         verify_s: float,
     ) -> None:
         """What the step's verifications made of the drafts (`results[i]` of piece i; None where a prompt
-        chunk sampled nothing), and the target features of the kept rows (`captured`: the forward's layer
-        outputs, [N, H] each) for the drafter's next context."""
+        chunk sampled nothing; `emitted[i]` of its tokens the request kept, fewer when a stop ended it),
+        and the target features of the kept rows (`captured`: the forward's layer outputs, [N, H] each)
+        for the drafter's next context."""
         features = (
             torch.cat([captured[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
         )
@@ -194,13 +197,11 @@ class Speculator:
         for i in verified:
             piece, result = batch.pieces[i], results[i]
             # A stop inside the accepted drafts truncates the round there (DeepSpec's accounting).
-            accepted = min(result.num_accepted, result.num_emitted)
-            piece.seq.spec_stats.record(piece.num_drafts, accepted, result.num_emitted)
-            self.stats.record(piece.num_drafts, accepted, result.num_emitted)
+            accepted = min(result.num_accepted, emitted[i])
+            piece.seq.spec_stats.record(piece.num_drafts, accepted, emitted[i])
+            self.stats.record(piece.num_drafts, accepted, emitted[i])
         for i, piece in enumerate(batch.pieces):
-            if piece.seq.is_finished:
-                self.drafter.release(piece.seq)
-            elif features is not None:
+            if features is not None and not piece.seq.is_finished:
                 # The drafter's next context: the rows now in the target's cache, never rejected drafts.
                 accepted = results[i].num_accepted if results[i] is not None else 0
                 self.drafter.observe(piece.seq, piece.start, features[layout.kept_rows(i, accepted)])
@@ -222,17 +223,6 @@ class Speculator:
         if self.verification_records is not None:
             for draft, accepted in headed:
                 self.verification_records.add(torch.logit(draft.confidences.double(), eps=1e-12), accepted)
-
-    def release(self, seq: Sequence) -> None:
-        """`seq` finished, was aborted or preempted: the drafter drops what it holds for it."""
-        self.drafter.release(seq)
-
-    # The scheduler's DrafterPrefix: a prefix-cache hit may go only as far as the drafter's own context.
-    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
-        return self.drafter.cached_prefix_len(seq, num_tokens)
-
-    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        self.drafter.attach_cached_prefix(seq, num_tokens)
 
 
 def _grammatical(seq: Sequence, drafts: list[int]) -> int:

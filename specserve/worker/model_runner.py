@@ -1,9 +1,12 @@
 """Turns scheduled pieces into one flat batch, runs the model once, returns the logits needed.
 
-The runner owns the model's caches: a paged KV cache per attention layer and, for hybrid models, a pool of
-per-sequence recurrent-state slots per linear-attention layer (`num_state_slots`, one per running
-sequence). A verified piece's recurrent state is checkpointed during the forward so that the commit can roll
-it back to the accepted prefix (`roll_back_states`); KV is rolled back by length alone.
+The runner owns the model's cache tensors: a paged KV cache per attention layer and, for hybrid models, a
+pool of recurrent-state slots per linear-attention layer (one per running sequence, then the prefix
+cache's checkpoints). Which blocks and slots a piece uses is the cache coordinator's business
+(core/cache_coordinator.py); the runner executes the state operations a step carries: the copies that
+start a prefix hit from a kept state, before the forward; after sampling (`commit_states`), verified
+pieces' recurrent states rolled back to their accepted prefix from the forward's checkpoint, then the
+copies that keep states for the prefix cache. KV is rolled back by length alone.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import EngineConfig, SpecserveError
-from specserve.layers.attention import AttentionMetadata, KVCache
-from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec, StateCheckpoints
+from specserve.core.cache_coordinator import CacheLayout, DrafterCacheSpec
+from specserve.core.cache_groups import StateCopy
+from specserve.layers.attention import KVCache
+from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec
+from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.sampler import SampleOutput, raw_logprobs
 from specserve.models.base import CausalLM, LayerCacheSpec
 
@@ -35,11 +40,21 @@ class PieceInput:
 
 
 @dataclass
+class PromptScoring:
+    """Rows of the flat batch whose next prompt token is scored (prompt logprobs), with those tokens and how
+    many top alternatives to give."""
+
+    rows: list[int]
+    token_ids: list[int]
+    num_top: int
+
+
+@dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [rows requested, V] fp32
     hidden: torch.Tensor  # [N, H] final-normed hidden states of every row
     captured: dict[int, torch.Tensor]  # residual-stream outputs of the requested layers, [N, H] each
-    checkpoints: StateCheckpoints | None = None  # of the pieces asked to checkpoint (hybrid models)
+    prompt_scores: SampleOutput | None = None  # of the rows `PromptScoring` asked for
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -56,40 +71,13 @@ def state_bytes_per_slot(model: CausalLM, dtype: torch.dtype) -> int:
     return sum(s.bytes_per_slot(dtype) for s in model.cache_specs() if isinstance(s, RecurrentStateSpec))
 
 
-def state_checkpoint_slots(model: CausalLM, config: EngineConfig) -> int:
-    """Recurrent-state checkpoints a hybrid target keeps for its prefix cache: one per running sequence,
-    or as many as a quarter of the memory left after the running sequences' states holds."""
-    per_slot = state_bytes_per_slot(model, config.torch_dtype)
-    if not (per_slot and config.enable_prefix_caching):
-        return 0
-    spare = config.kv_cache_bytes - config.max_num_seqs * per_slot
-    return max(0, min(config.max_num_seqs, spare // 4 // per_slot))
-
-
-def kv_cache_blocks(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
-    """Blocks of `config.block_size` tokens that `config.kv_cache_memory` holds once the recurrent-state
-    slots of `max_num_seqs` sequences and the prefix cache's state checkpoints are paid for, never more
-    than the running batch can fill: every sequence at max_model_len (plus a block of verification slack).
-    The cache is allocated (and zeroed) up front, so the cap saves real memory."""
-    per_slot = state_bytes_per_slot(model, config.torch_dtype)
-    states = config.max_num_seqs * per_slot
-    if states >= config.kv_cache_bytes:
-        raise SpecserveError(
-            f"kv_cache_memory={config.kv_cache_memory!r} does not even hold the recurrent states of "
-            f"max_num_seqs={config.max_num_seqs} sequences ({states / 2**20:.0f} MiB); raise kv_cache_memory "
-            "or lower max_num_seqs"
-        )
-    states += state_checkpoint_slots(model, config) * per_slot
-    per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
-    num_blocks = (config.kv_cache_bytes - states) // per_block
-    per_sequence = -(-max_model_len // config.block_size) + 1
-    num_blocks = min(num_blocks, config.max_num_seqs * per_sequence)
-    if num_blocks * config.block_size < max_model_len:
-        raise SpecserveError(
-            f"kv_cache_memory={config.kv_cache_memory!r} holds {num_blocks * config.block_size} tokens, "
-            f"fewer than max_model_len={max_model_len}; raise kv_cache_memory or lower max_model_len"
-        )
-    return num_blocks
+def cache_layout(
+    model: CausalLM, block_size: int, dtype: torch.dtype, drafter: DrafterCacheSpec | None = None
+) -> CacheLayout:
+    """What the cache budget pays for: the target's KV bytes per block and recurrent-state bytes per slot,
+    and the drafter's caches."""
+    kv, states = kv_bytes_per_block(model, block_size, dtype), state_bytes_per_slot(model, dtype)
+    return CacheLayout(kv, states, drafter or DrafterCacheSpec())
 
 
 class ModelRunner:
@@ -108,12 +96,21 @@ class ModelRunner:
                 continue
             shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
             self.kv_caches.append(KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)))
+        self._checkpoints: StateCheckpoints | None = None  # the last forward's (hybrid models)
 
     @torch.inference_mode()
     def forward(
-        self, pieces: Seq[PieceInput], logit_rows: Seq[int], capture_layers: Seq[int] = ()
+        self,
+        pieces: Seq[PieceInput],
+        logit_rows: Seq[int],
+        capture_layers: Seq[int] = (),
+        restores: Seq[StateCopy] = (),
+        scoring: PromptScoring | None = None,
     ) -> ForwardOutput:
-        """One target forward over all pieces; logits only for `logit_rows` (indices into the flat batch)."""
+        """One target forward over all pieces; logits only for `logit_rows` (indices into the flat batch).
+        `restores`: state copies to make first (prefix hits starting from a kept state); `scoring`: prompt
+        rows to score from the forward's hidden states."""
+        self.copy_states(restores)
         tokens: list[int] = []
         positions: list[int] = []
         query_start = [0]
@@ -127,7 +124,7 @@ class ModelRunner:
             slots = torch.tensor([p.state_slot for p in pieces], dtype=torch.long)
             if any(p.checkpoint for p in pieces):
                 checkpoints = StateCheckpoints([i for i, p in enumerate(pieces) if p.checkpoint])
-        meta = AttentionMetadata.build(
+        meta = ForwardMetadata.build(
             query_start=query_start,
             context_lens=[p.start + len(p.token_ids) for p in pieces],
             block_tables=[p.block_table for p in pieces],
@@ -139,13 +136,14 @@ class ModelRunner:
         hidden, captured = self.model(
             torch.tensor(tokens, dtype=torch.long), pos, meta, self.kv_caches, tuple(capture_layers)
         )
+        self._checkpoints = checkpoints
         logits = self.model.compute_logits(hidden[torch.tensor(list(logit_rows), dtype=torch.long)])
-        return ForwardOutput(logits=logits, hidden=hidden, captured=captured, checkpoints=checkpoints)
+        scores = self._score(hidden, scoring.rows, scoring.token_ids, scoring.num_top) if scoring else None
+        return ForwardOutput(logits=logits, hidden=hidden, captured=captured, prompt_scores=scores)
 
-    @torch.inference_mode()
-    def score(self, hidden: torch.Tensor, rows: Seq[int], token_ids: Seq[int], num_top: int) -> SampleOutput:
-        """Raw logprobs (log_softmax of the model's logits) of `token_ids` at `rows` of a forward's hidden
-        states, and each row's top `num_top`."""
+    def _score(self, hidden: torch.Tensor, rows: Seq[int], token_ids: Seq[int], num_top: int) -> SampleOutput:
+        """Raw logprobs (log_softmax of the model's logits) of `token_ids` at `rows` of the hidden states,
+        and each row's top `num_top`."""
         logprobs, top_ids, top_values = [], [], []
         for at in range(0, len(rows), SCORE_ROWS_PER_CALL):
             index = torch.tensor(rows[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long)
@@ -169,11 +167,13 @@ class ModelRunner:
             if isinstance(c, RecurrentState)
         ]
 
-    def copy_states(self, src: int, dst: int) -> None:
-        """Slot `src`'s recurrent state into slot `dst`, in every linear-attention layer."""
-        for c in self.kv_caches:
-            if isinstance(c, RecurrentState):
-                c.conv[dst], c.ssm[dst] = c.conv[src], c.ssm[src]
+    def copy_states(self, copies: Seq[StateCopy]) -> None:
+        """Each copy's source slot's recurrent state into its destination slot, in every linear-attention
+        layer, in order."""
+        for copy in copies:
+            for c in self.kv_caches:
+                if isinstance(c, RecurrentState):
+                    c.conv[copy.dst], c.ssm[copy.dst] = c.conv[copy.src], c.ssm[copy.src]
 
     def restore_states(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
@@ -181,8 +181,11 @@ class ModelRunner:
             state.conv[slot], state.ssm[slot] = conv, ssm
 
     @torch.inference_mode()
-    def roll_back_states(self, checkpoints: StateCheckpoints | None, keep: dict[int, int]) -> None:
-        """Recurrent states of checkpointed pieces back to the state after their first `keep[i]` tokens
-        (the anchor and the accepted drafts of a verification); nothing for attention-only models."""
-        if checkpoints is not None:
-            self.model.rollback_states(checkpoints, self.kv_caches, keep)
+    def commit_states(self, keep: dict[int, int], saves: Seq[StateCopy] = ()) -> None:
+        """After the last forward: the recurrent states of its checkpointed pieces back to the state after
+        their first `keep[i]` tokens (the anchor and the accepted drafts of a verification), then the
+        copies in `saves`; nothing for attention-only models."""
+        if self._checkpoints is not None:
+            self.model.rollback_states(self._checkpoints, self.kv_caches, keep)
+            self._checkpoints = None
+        self.copy_states(saves)

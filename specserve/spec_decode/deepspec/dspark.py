@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata, KVCache, sdpa_paged_attention
+from specserve.layers.attention import KVCache, sdpa_paged_attention
+from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
@@ -253,7 +254,7 @@ class PagedDraftBatch(DraftBatch):
     block_pos: torch.Tensor
     kv_pos: torch.Tensor
     kv_slots: torch.Tensor  # [n + m] cache slot of each K/V row
-    meta: AttentionMetadata  # the block queries
+    meta: ForwardMetadata  # the block queries
     caches: list[KVCache]
 
     def attend(self, layer, q, k, v, scale):

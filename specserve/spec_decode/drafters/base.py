@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.config import SpeculativeConfig
+from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
 from specserve.layers.sampler import (
@@ -13,15 +15,20 @@ from specserve.layers.sampler import (
     first_argmax,
     target_probs,
 )
+from specserve.spec_decode.context import TargetContext
 from specserve.structured.masks import mask_logits
 
 
 class Drafter:
     """Proposes tokens for sequences whose next step is a decode step.
 
-    The drafter owns its state (KV cache, lookup tables). It learns what the target accepted from the
-    sequences themselves: their token lists only ever grow by verified tokens, so whatever the drafter
-    computed for tokens that are not a prefix of the sequence any more is rolled back.
+    A drafter with caches of its own (a draft model's KV, a context cache) says what they need
+    (`cache_spec`); the engine sizes them from its one budget and hands them over (`bind_caches`) before the
+    first round. Their per-request entries are the cache coordinator's: it frees them with the request
+    (finished, aborted, preempted) and asks them how much of a prefix hit they hold. The drafter learns
+    what the target accepted from the sequences themselves: their token lists only ever grow by verified
+    tokens, so whatever it computed for tokens that are not a prefix of the sequence any more is rolled
+    back.
 
     Drafters conditioned on the target's hidden states name the layers in `capture_layers`; after every
     target forward the engine calls `observe` with those layers' outputs (concatenated) for exactly the
@@ -35,6 +42,11 @@ class Drafter:
     # Serial drafters ask `keep_drafting` before each draft step; the others draft a round at once and the
     # engine asks the verify planner before it whether the step drafts at all.
     drafts_serially: bool = False
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> Drafter:
+        """The drafter the speculative config describes, its weights loaded (no caches yet)."""
+        raise NotImplementedError
 
     def propose(
         self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None
@@ -52,17 +64,12 @@ class Drafter:
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """Target features [n, n_f * H] of `seq`'s positions start..start+n-1 (only with capture_layers)."""
 
-    def release(self, seq: Sequence) -> None:
-        """The sequence finished or was preempted: drop whatever the drafter holds for it."""
+    def cache_spec(self, block_size: int) -> DrafterCacheSpec:
+        """What its own caches need, for blocks of the target's `block_size` (none by default)."""
+        return DrafterCacheSpec()
 
-    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
-        """How much of a target prefix-cache hit of `num_tokens` tokens the drafter can start from. Only
-        a drafter whose context comes from the target's forward (its features) limits it: it must hold
-        that context cached itself. The others catch up from the tokens."""
-        return num_tokens
-
-    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        """`seq` starts with its first `num_tokens` tokens in the target's cache (no forward over them)."""
+    def bind_caches(self, caches: DrafterCaches) -> None:
+        """Its caches' groups, as `cache_spec` asked; it allocates its tensors now."""
 
 
 def sample_drafts(

@@ -6,12 +6,13 @@ after rounds that drafted nothing), the others one drafted token each. Drafts ar
 request's own sampling parameters and their q rows kept for rejection sampling. A scheduled verify policy
 decides before each forward which sequences draft on (`keep_drafting`).
 
-With prefix caching, the full blocks of tokens it has fed join its own prefix cache, and a new request
-starts from the longest cached chain of its tokens. Rejected drafts are rolled back by length in the
-paged KV cache. A hybrid draft model's recurrent state
-cannot be: after each round's first forward (every committed token fed) the drafter snapshots it, and a
-round that finds drafts rejected restores the snapshot and feeds the accepted ones again (and no prefix
-cache: a cached block would need the recurrent state at its end too).
+Its KV cache (and a hybrid draft model's state slots) are groups of the engine's cache coordinator. With
+prefix caching, the full blocks of tokens it has fed join its group's prefix cache, and a new request starts
+from the longest cached chain of its tokens (it catches up from the tokens, so it never shortens the
+target's prefix hits). Rejected drafts are rolled back by length in the paged KV cache. A hybrid draft
+model's recurrent state cannot be: after each round's first forward (every committed token fed) the
+drafter snapshots it, and a round that finds drafts rejected restores the snapshot and feeds the accepted
+ones again (and no prefix cache: a cached block would need the recurrent state at its end too).
 """
 
 from __future__ import annotations
@@ -21,24 +22,22 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.block_manager import BlockManager, SlotPool
+from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
+from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.drafters.base import Drafter, sample_drafts
-from specserve.worker.model_runner import ModelRunner, PieceInput
+from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block, state_bytes_per_slot
 
 
 @dataclass
-class DraftState:
+class DraftState(PagedEntry):
     """Tokens whose K/V the draft cache holds for one sequence, in position order."""
 
     fed: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    prefix_ids: list[int] = field(default_factory=list)
-    state_slot: int | None = None  # hybrid draft models: the recurrent state after `fed`
-    snapshot: object | None = None  # that state after the first `snapshot_len` tokens of `fed`
+    snapshot: object | None = None  # hybrid draft models: the state after the first `snapshot_len` of `fed`
     snapshot_len: int = 0
 
 
@@ -62,16 +61,36 @@ def _as_tensors(rows: list[list[float]]) -> tuple[torch.Tensor, ...]:
 class DraftModelDrafter(Drafter):
     drafts_serially = True
 
-    def __init__(self, model, num_blocks: int, target: TargetContext):
-        num_slots = target.max_num_seqs if model.has_recurrent_state else 0
-        self.runner = ModelRunner(model, num_blocks, target.block_size, target.torch_dtype, num_slots)
-        self.blocks = BlockManager(
-            num_blocks, target.block_size, target.enable_prefix_caching and not num_slots
-        )
-        self.slots = SlotPool(num_slots) if num_slots else None
+    def __init__(self, model, target: TargetContext):
+        self.model = model
+        self.dtype = target.torch_dtype
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
-        self.states: dict[str, DraftState] = {}
+
+    def cache_spec(self, block_size: int) -> DrafterCacheSpec:
+        # Drafts run ahead of the target's reservation by at most k - 1 tokens: a block a request beyond
+        # the target's blocks, so the draft cache can never run out while the target's has room.
+        hybrid = self.model.has_recurrent_state
+        kv = PagedSpec(
+            kv_bytes_per_block(self.model, block_size, self.dtype),
+            prefix_caching=not hybrid,
+            entry_type=DraftState,
+        )
+        return DrafterCacheSpec((kv,), state_bytes_per_slot(self.model, self.dtype))
+
+    def bind_caches(self, caches: DrafterCaches) -> None:
+        (group,) = caches.paged
+        self.group: PagedGroup[DraftState] = group
+        self.blocks = group.blocks
+        self.states = group.entries  # request id -> its draft state (the coordinator frees it)
+        self.slots = caches.states  # a hybrid draft model's recurrent-state slots
+        num_slots = self.slots.num_slots if self.slots is not None else 0
+        self.runner = ModelRunner(
+            self.model, group.blocks.num_blocks, group.block_size, self.dtype, num_slots
+        )
+
+    def _slot(self, seq: Sequence) -> int | None:
+        return self.slots.slot_of[seq.request_id] if self.slots is not None else None
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> DraftModelDrafter:
@@ -92,16 +111,7 @@ class DraftModelDrafter(Drafter):
             raise SpecserveError(
                 f"draft model {config.model!r} has a different tokenizer vocabulary than the target"
             )
-        # As many blocks as the target plus one per sequence: drafts run ahead of the target's reservation by
-        # at most k - 1 tokens, so the draft cache can never run out while the target's has room.
-        return cls(model, target.num_kv_blocks + target.max_num_seqs, target)
-
-    def release(self, seq: Sequence) -> None:
-        state = self.states.pop(seq.request_id, None)
-        if state is not None:
-            self.blocks.shrink(state, 0)
-            if self.slots is not None:
-                self.slots.give_back(state)
+        return cls(model, target)
 
     def propose(
         self, seqs: list[Sequence], num_tokens: int, keep_drafting: KeepDrafting | None = None
@@ -125,15 +135,13 @@ class DraftModelDrafter(Drafter):
                 tokens = seqs[i].all_token_ids + drafted[i]
                 new = tokens[len(states[i].fed) :]
                 self.blocks.grow(states[i], len(tokens))
-                pieces.append(
-                    PieceInput(new, len(states[i].fed), states[i].block_table, states[i].state_slot)
-                )
+                pieces.append(PieceInput(new, len(states[i].fed), states[i].block_table, self._slot(seqs[i])))
                 states[i].fed = tokens
             rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
             logits = self.runner.forward(pieces, rows.tolist()).logits
             if self.slots is not None and not any(drafted[i] for i in active):  # every committed token fed
                 for i in active:
-                    states[i].snapshot = self.runner.save_states(states[i].state_slot)
+                    states[i].snapshot = self.runner.save_states(self._slot(seqs[i]))
                     states[i].snapshot_len = len(states[i].fed)
             q, tokens, peaks = sample_drafts(
                 logits,
@@ -174,14 +182,14 @@ class DraftModelDrafter(Drafter):
         """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""
         state = self.states.get(seq.request_id)
         if state is None:
-            state = self.states[seq.request_id] = DraftState()
+            state = self.group.open(seq.request_id)
             if self.slots is not None:
-                self.slots.take(state)
+                self.slots.take(seq.request_id)
             self.blocks.attach(state, self.blocks.match(seq.all_token_ids, seq.num_tokens - 1))
             state.fed = seq.all_token_ids[: len(state.block_table) * self.blocks.block_size]
         keep = self._kept(state, seq)
         if keep < len(state.fed) and keep and self.slots is not None:
-            self.runner.restore_states(state.state_slot, state.snapshot)
+            self.runner.restore_states(self._slot(seq), state.snapshot)
         del state.fed[keep:]
         self.blocks.shrink(state, keep)
         # What is kept stays: later rounds keep at least as much (the sequence only grows by verified tokens).

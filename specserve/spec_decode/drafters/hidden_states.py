@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.block_manager import BlockManager
+from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
+from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
 from specserve.core.sequence import Sequence
-from specserve.layers.attention import AttentionMetadata, KVCache, padded_block_tables, slot_mapping
+from specserve.layers.attention import KVCache
+from specserve.layers.metadata import ForwardMetadata, padded_block_tables, slot_mapping
 from specserve.models.prepare import prepare_model
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
@@ -22,12 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ContextState:
+class ContextState(PagedEntry):
     """One request's draft context: rows [0, num_cached) are in the draft cache, then `pending` rows."""
 
-    block_table: list[int] = field(default_factory=list)
-    prefix_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
     num_pending: int = 0
 
@@ -74,32 +73,46 @@ class HiddenStateDrafter(Drafter):
     """`observe` collects the target features of each position in order; a subclass's `propose` turns
     the pending rows into draft cache entries and drafts from them.
 
-    With prefix caching the full blocks of context rows join the drafter's own prefix cache, keyed by
-    the tokens they were computed from (`context_lookahead` tokens past the block too, when a row reads
-    the next token), so a request whose prompt starts from the target's cache finds its context there."""
+    Its context cache is a paged group of the engine's cache coordinator. With prefix caching the full
+    blocks of context rows join that group's prefix cache, keyed by the tokens they were computed from
+    (`context_lookahead` tokens past the block too, when a row reads the next token); its content comes
+    from the target's forward, so a target prefix hit goes only as far as this cache holds it too."""
 
     context_lookahead = 0
 
     def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
+        self.layout = layout
         self.capture_layers = layout.capture_layers
         self.feature_width = layout.feature_width
         self.vocab_size = target.vocab_size
+        self.dtype = target.torch_dtype
         self.generator = target.generator  # unseeded requests draw from the engine's generator
-        cache_block = target.block_size
-        # Room for every context row the target can hold, plus the drafted rows of every running request.
-        per_request = -(-extra_tokens_per_request // cache_block) + 1
-        num_blocks = target.num_kv_blocks + target.max_num_seqs * per_request
-        self.blocks = BlockManager(
-            num_blocks, cache_block, target.enable_prefix_caching, lookahead=self.context_lookahead
+        self.extra_tokens_per_request = extra_tokens_per_request  # drafted rows beyond the context
+
+    def cache_spec(self, block_size: int) -> DrafterCacheSpec:
+        layout = self.layout
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = layout.num_layers * 2 * block_size * layout.num_kv_heads * layout.head_dim * elem
+        context = PagedSpec(
+            per_block,
+            self.extra_tokens_per_request,
+            self.context_lookahead,
+            limits_prefix_hits=True,
+            entry_type=ContextState,
         )
-        shape = (num_blocks, cache_block, layout.num_kv_heads, layout.head_dim)
-        dtype = target.torch_dtype
+        return DrafterCacheSpec(paged=(context,))
+
+    def bind_caches(self, caches: DrafterCaches) -> None:
+        (group,) = caches.paged
+        self.group: PagedGroup[ContextState] = group
+        self.blocks = group.blocks
+        self.states = group.entries  # request id -> its context (the coordinator frees it with the request)
+        shape = (group.blocks.num_blocks, group.block_size, self.layout.num_kv_heads, self.layout.head_dim)
         self.caches = [
-            KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(layout.num_layers)
+            KVCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(self.layout.num_layers)
         ]
-        self.states: dict[str, ContextState] = {}
 
     @staticmethod
     def load(spec: SpeculativeConfig, target: TargetContext, config_type: type):
@@ -119,29 +132,15 @@ class HiddenStateDrafter(Drafter):
         if state is None or start != state.num_rows:
             # Rows arrive in position order from 0; anything else means a restart (after preemption the
             # sequence is recomputed from position 0) or a state we cannot trust: begin again.
-            self.release(seq)
+            self.group.free(seq.request_id)
             if start != 0:
                 logger.warning(
                     "request %s: target features from position %d, expected 0", seq.request_id, start
                 )
                 return
-            state = self.states[seq.request_id] = ContextState()
+            state = self.group.open(seq.request_id)
         state.pending.append(features)
         state.num_pending += features.shape[0]
-
-    def release(self, seq: Sequence) -> None:
-        state = self.states.pop(seq.request_id, None)
-        if state is not None:
-            self.blocks.shrink(state, 0)
-
-    def cached_prefix_len(self, seq: Sequence, num_tokens: int) -> int:
-        return len(self.blocks.match(seq.all_token_ids, num_tokens)) * self.blocks.block_size
-
-    def attach_cached_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        self.release(seq)
-        if num_tokens:
-            state = self.states[seq.request_id] = ContextState(num_cached=num_tokens)
-            self.blocks.attach(state, self.blocks.match(seq.all_token_ids, num_tokens))
 
     def ready(self, seqs: list[Sequence]) -> list[int]:
         """Indices of the sequences whose every position before the anchor has been handed over."""
@@ -172,7 +171,7 @@ class HiddenStateDrafter(Drafter):
             block_pos=query_pos,
             kv_pos=kv_pos,
             kv_slots=slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size),
-            meta=AttentionMetadata.build(
+            meta=ForwardMetadata.build(
                 query_start=[0, *torch.tensor(query_lens).cumsum(0).tolist()],
                 context_lens=(last + 1).tolist(),
                 block_tables=[st.block_table for st in states],
@@ -187,6 +186,4 @@ class HiddenStateDrafter(Drafter):
         """Keep the first `lengths[i]` rows of each request's draft cache (a length change): its context
         rows, which are final (full blocks of them join the prefix cache)."""
         for seq, state, n in zip(seqs, states, lengths):
-            state.num_cached = n
-            self.blocks.shrink(state, n)
-            self.blocks.commit(state, n, lambda seq=seq: seq.all_token_ids)
+            self.group.roll_back(state, n, lambda seq=seq: seq.all_token_ids)

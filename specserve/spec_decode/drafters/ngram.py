@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from specserve.config import SpeculativeConfig
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
+from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.drafters.base import Drafter
 
 
@@ -27,6 +29,10 @@ class NgramDrafter(Drafter):
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> NgramDrafter:
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose(self, seqs: list[Sequence], num_tokens: int, keep_drafting=None) -> list[DraftProposal]:
         return [
