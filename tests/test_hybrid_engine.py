@@ -113,8 +113,9 @@ def test_greedy_speculation_equals_plain_greedy(arch, hybrid_dirs, prompts, plai
 
 
 def test_a_hybrid_draft_model_rolls_its_own_state_back(hybrid_dirs, prompts, plain):
-    """A random Qwen3.5 drafting for Qwen3-Next: most drafts are rejected, so the draft model restores its
-    snapshot nearly every round; a Qwen3 (attention-only) draft model for a hybrid target too."""
+    """A random Qwen3.5 drafting for Qwen3-Next: most drafts are rejected, so the draft model starts again
+    from its committed slot nearly every round; a Qwen3 (attention-only) draft model for a hybrid target
+    too."""
     for draft in (hybrid_dirs["other"], hybrid_dirs["qwen3_5"]):
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
         llm = LLM(hybrid_dirs["qwen3_next"], max_model_len=256, speculative_config=spec)

@@ -17,7 +17,7 @@ the target's blocks plus its drafted rows' per running request, so it never runs
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.config import SpecserveError
 from specserve.core.block_manager import BlockManager
@@ -27,10 +27,11 @@ from specserve.core.cache_groups import PagedGroup, PagedSpec, PrefixStates, Sta
 @dataclass(frozen=True)
 class DrafterCacheSpec:
     """What a drafter's own caches need: its paged caches, and recurrent-state bytes per slot (a hybrid
-    draft model's; 0 for none)."""
+    draft model's; 0 for none) and slots per running request (a group of `max_num_seqs` slots each)."""
 
     paged: tuple[PagedSpec, ...] = ()
     state_bytes_per_slot: int = 0
+    state_slots_per_request: int = 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class CachePlan:
     num_blocks: int
     num_state_slots: int
     num_checkpoints: int
-    num_state_slots_drafter: int
+    num_state_slots_drafter: int  # in each of the drafter's state groups
     drafter_blocks: tuple[int, ...]
     bytes_used: int
 
@@ -75,7 +76,8 @@ def plan_cache_memory(
     slack). The caches are allocated (and zeroed) up front, so the cap saves real memory. `budget_text`:
     how errors name the budget (the user's `kv_cache_memory=...`)."""
     given = budget_text or f"kv_cache_memory={budget}"
-    states = max_num_seqs * (layout.state_bytes_per_slot + layout.drafter.state_bytes_per_slot)
+    drafter_states = layout.drafter.state_bytes_per_slot * layout.drafter.state_slots_per_request
+    states = max_num_seqs * (layout.state_bytes_per_slot + drafter_states)
     if states >= budget:
         raise SpecserveError(
             f"{given} does not even hold the recurrent states of max_num_seqs={max_num_seqs} sequences "
@@ -101,7 +103,7 @@ def plan_cache_memory(
         num_blocks=num_blocks,
         num_state_slots=max_num_seqs if layout.state_bytes_per_slot else 0,
         num_checkpoints=checkpoints,
-        num_state_slots_drafter=max_num_seqs if layout.drafter.state_bytes_per_slot else 0,
+        num_state_slots_drafter=max_num_seqs if drafter_states else 0,
         drafter_blocks=tuple(num_blocks + n for n in extra),
         bytes_used=fixed + num_blocks * per_block,
     )
@@ -109,15 +111,16 @@ def plan_cache_memory(
 
 @dataclass
 class DrafterCaches:
-    """A drafter's own groups, in the order of its `DrafterCacheSpec.paged`, and its state slots."""
+    """A drafter's own groups: paged ones in the order of its `DrafterCacheSpec.paged`, and groups of state
+    slots (`state_slots_per_request` of them, slots numbered on from one group to the next)."""
 
     paged: list[PagedGroup]
-    states: StateGroup | None = None
+    states: list[StateGroup] = field(default_factory=list)
 
     @classmethod
     def build(
         cls,
-        specs: Sequence[PagedSpec],
+        spec: DrafterCacheSpec,
         num_blocks: Sequence[int],
         num_state_slots: int,
         block_size: int,
@@ -125,13 +128,17 @@ class DrafterCaches:
     ) -> DrafterCaches:
         paged = [
             PagedGroup(
-                BlockManager(n, block_size, enable_prefix_caching and spec.prefix_caching, spec.lookahead),
-                spec.entry_type,
-                spec.limits_prefix_hits,
+                BlockManager(n, block_size, enable_prefix_caching and group.prefix_caching, group.lookahead),
+                group.entry_type,
+                group.limits_prefix_hits,
             )
-            for n, spec in zip(num_blocks, specs, strict=True)
+            for n, group in zip(num_blocks, spec.paged, strict=True)
         ]
-        return cls(paged, StateGroup(num_state_slots) if num_state_slots else None)
+        n = num_state_slots
+        states = [
+            StateGroup(range(g * n, (g + 1) * n)) for g in range(spec.state_slots_per_request if n else 0)
+        ]
+        return cls(paged, states)
 
     @classmethod
     def standalone(
@@ -141,13 +148,11 @@ class DrafterCaches:
         `num_blocks` blocks would size them; no prefix caching."""
         extra = [max_num_seqs * _extra_blocks(paged, block_size) for paged in spec.paged]
         slots = max_num_seqs if spec.state_bytes_per_slot else 0
-        return cls.build(spec.paged, [num_blocks + n for n in extra], slots, block_size, False)
+        return cls.build(spec, [num_blocks + n for n in extra], slots, block_size, False)
 
     def free(self, request_id: str) -> None:
-        for group in self.paged:
+        for group in [*self.paged, *self.states]:
             group.free(request_id)
-        if self.states is not None:
-            self.states.free(request_id)
 
 
 def _extra_blocks(spec: PagedSpec, block_size: int) -> int:
@@ -187,9 +192,9 @@ class CacheCoordinator:
             if caching:
                 slots = range(plan.num_state_slots, plan.num_state_slots + plan.num_checkpoints)
                 kept = PrefixStates(slots, state_checkpoint_interval, block_size)
-            states = StateGroup(plan.num_state_slots, kept)
+            states = StateGroup(range(plan.num_state_slots), kept)
         drafter = DrafterCaches.build(
-            layout.drafter.paged, plan.drafter_blocks, plan.num_state_slots_drafter, block_size, caching
+            layout.drafter, plan.drafter_blocks, plan.num_state_slots_drafter, block_size, caching
         )
         kv = PagedGroup(BlockManager(plan.num_blocks, block_size, caching))
         return cls(kv, states, drafter, state_checkpoint_interval)

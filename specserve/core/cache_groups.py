@@ -7,6 +7,8 @@ and rollback; `cache_coordinator.py` puts them behind one interface.
 - `StateGroup`: recurrent-state slots (a hybrid target's, or a hybrid draft model's), one per running
   request, and for prefix hits a few checkpoint slots holding the state after prefixes that end at an
   interval. Its states are changed by the runner; the group hands out the copies to make (`StateCopy`).
+  A recurrent state is rolled back by replay from the forward's checkpoint (the target's verification),
+  or never needs it: a draft model drafts on a copy of its committed state (`DraftModelDrafter`).
 
 Only integers live here; the tensors belong to the runners that read and write them.
 """
@@ -156,8 +158,8 @@ class StateGroup:
     preempted (it then restarts from position 0, from a zero state); as many as requests may run at once,
     so taking one never fails. With `checkpoints`, the prefix cache's kept states too."""
 
-    def __init__(self, num_slots: int, checkpoints: PrefixStates | None = None):
-        self.free_slots: deque[int] = deque(range(num_slots))
+    def __init__(self, slots: Sequence[int], checkpoints: PrefixStates | None = None):
+        self.free_slots: deque[int] = deque(slots)
         self.checkpoints = checkpoints
         self.slot_of: dict[str, int] = {}  # request id -> its slot
 

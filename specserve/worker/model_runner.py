@@ -159,14 +159,6 @@ class ModelRunner:
             top_logprobs=(torch.cat(top_ids), torch.cat(top_values)) if num_top else None,
         )
 
-    def save_states(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of one slot's recurrent state in every linear-attention layer."""
-        return [
-            (c.conv[slot].clone(), c.ssm[slot].clone())
-            for c in self.kv_caches
-            if isinstance(c, RecurrentState)
-        ]
-
     def copy_states(self, copies: Seq[StateCopy]) -> None:
         """Each copy's source slot's recurrent state into its destination slot, in every linear-attention
         layer, in order."""
@@ -174,11 +166,6 @@ class ModelRunner:
             for c in self.kv_caches:
                 if isinstance(c, RecurrentState):
                     c.conv[copy.dst], c.ssm[copy.dst] = c.conv[copy.src], c.ssm[copy.src]
-
-    def restore_states(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        states = [c for c in self.kv_caches if isinstance(c, RecurrentState)]
-        for state, (conv, ssm) in zip(states, saved, strict=True):
-            state.conv[slot], state.ssm[slot] = conv, ssm
 
     @torch.inference_mode()
     def commit_states(self, keep: dict[int, int], saves: Seq[StateCopy] = ()) -> None:

@@ -10,9 +10,11 @@ Its KV cache (and a hybrid draft model's state slots) are groups of the engine's
 prefix caching, the full blocks of tokens it has fed join its group's prefix cache, and a new request starts
 from the longest cached chain of its tokens (it catches up from the tokens, so it never shortens the
 target's prefix hits). Rejected drafts are rolled back by length in the paged KV cache. A hybrid draft
-model's recurrent state cannot be: after each round's first forward (every committed token fed) the
-drafter snapshots it, and a round that finds drafts rejected restores the snapshot and feeds the accepted
-ones again (and no prefix cache: a cached block would need the recurrent state at its end too).
+model's recurrent state is never rolled back: each request holds two slots, its committed state and a
+drafting one. A round's first forward (every committed token fed) advances the committed slot, which is
+then copied into the drafting slot for the drafts' forwards; the next round starts from the committed slot
+and feeds the accepted drafts again, or, when every fed draft was accepted, the two slots trade places
+(and no prefix cache: a cached block would need the recurrent state at its end too).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
-from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
+from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec, StateCopy
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
@@ -37,8 +39,7 @@ class DraftState(PagedEntry):
     """Tokens whose K/V the draft cache holds for one sequence, in position order."""
 
     fed: list[int] = field(default_factory=list)
-    snapshot: object | None = None  # hybrid draft models: the state after the first `snapshot_len` of `fed`
-    snapshot_len: int = 0
+    num_committed: int = 0  # hybrid draft models: the committed slot holds the state after this many of `fed`
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -71,26 +72,27 @@ class DraftModelDrafter(Drafter):
         # Drafts run ahead of the target's reservation by at most k - 1 tokens: a block a request beyond
         # the target's blocks, so the draft cache can never run out while the target's has room.
         hybrid = self.model.has_recurrent_state
-        kv = PagedSpec(
-            kv_bytes_per_block(self.model, block_size, self.dtype),
-            prefix_caching=not hybrid,
-            entry_type=DraftState,
-        )
-        return DrafterCacheSpec((kv,), state_bytes_per_slot(self.model, self.dtype))
+        kv_per_block = kv_bytes_per_block(self.model, block_size, self.dtype)
+        kv = PagedSpec(kv_per_block, prefix_caching=not hybrid, entry_type=DraftState)
+        states = state_bytes_per_slot(self.model, self.dtype)
+        return DrafterCacheSpec((kv,), states, state_slots_per_request=2)  # committed, drafting
 
     def bind_caches(self, caches: DrafterCaches) -> None:
         (group,) = caches.paged
         self.group: PagedGroup[DraftState] = group
         self.blocks = group.blocks
         self.states = group.entries  # request id -> its draft state (the coordinator frees it)
-        self.slots = caches.states  # a hybrid draft model's recurrent-state slots
-        num_slots = self.slots.num_slots if self.slots is not None else 0
-        self.runner = ModelRunner(
-            self.model, group.blocks.num_blocks, group.block_size, self.dtype, num_slots
-        )
+        # A hybrid draft model's recurrent-state slots: each request's committed state, and its drafting one.
+        self.slots, self.drafting = caches.states or (None, None)
+        num_slots = sum(states.num_slots for states in caches.states)
+        num_blocks = group.blocks.num_blocks
+        self.runner = ModelRunner(self.model, num_blocks, group.block_size, self.dtype, num_slots)
 
-    def _slot(self, seq: Sequence) -> int | None:
-        return self.slots.slot_of[seq.request_id] if self.slots is not None else None
+    def _slot(self, seq: Sequence, drafting: bool = False) -> int | None:
+        """Its committed (or drafting) recurrent-state slot; None for attention-only draft models."""
+        if self.slots is None:
+            return None
+        return (self.drafting if drafting else self.slots).slot_of[seq.request_id]
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> DraftModelDrafter:
@@ -130,19 +132,23 @@ class DraftModelDrafter(Drafter):
                 active = [i for i in active if keep[i]]
                 if not active:
                     break
+            first = not any(drafted[i] for i in active)  # this forward feeds committed tokens only
             pieces = []
             for i in active:
                 tokens = seqs[i].all_token_ids + drafted[i]
                 new = tokens[len(states[i].fed) :]
                 self.blocks.grow(states[i], len(tokens))
-                pieces.append(PieceInput(new, len(states[i].fed), states[i].block_table, self._slot(seqs[i])))
+                slot = self._slot(seqs[i], drafting=not first)
+                pieces.append(PieceInput(new, len(states[i].fed), states[i].block_table, slot))
                 states[i].fed = tokens
             rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
             logits = self.runner.forward(pieces, rows.tolist()).logits
-            if self.slots is not None and not any(drafted[i] for i in active):  # every committed token fed
+            if self.slots is not None and first:  # the drafts go on from a copy of the committed state
                 for i in active:
-                    states[i].snapshot = self.runner.save_states(self._slot(seqs[i]))
-                    states[i].snapshot_len = len(states[i].fed)
+                    states[i].num_committed = len(states[i].fed)
+                self.runner.copy_states(
+                    [StateCopy(self._slot(seqs[i]), self._slot(seqs[i], drafting=True)) for i in active]
+                )
             q, tokens, peaks = sample_drafts(
                 logits,
                 [seqs[i] for i in active],
@@ -171,12 +177,12 @@ class DraftModelDrafter(Drafter):
 
     def _kept(self, state: DraftState, seq: Sequence) -> int:
         """Cached tokens still a prefix of the sequence; the newest token is always fed again, so that
-        its logits are computed this round. A recurrent state goes back to the snapshot only, or to the
-        start (when even the snapshot is too new: the sequence gained nothing since its last round)."""
+        its logits are computed this round. A recurrent state goes back to the committed slot's only, or to
+        the start (when even that is too new: the sequence gained nothing since its last round)."""
         keep = min(common_prefix_len(state.fed, seq.all_token_ids), seq.num_tokens - 1)
         if self.slots is None or keep == len(state.fed):
             return keep
-        return state.snapshot_len if state.snapshot is not None and state.snapshot_len <= keep else 0
+        return state.num_committed if state.num_committed <= keep else 0
 
     def _sync(self, seq: Sequence) -> DraftState:
         """Keep only the cached tokens that are still a prefix of the sequence (roll back the rest)."""
@@ -185,11 +191,15 @@ class DraftModelDrafter(Drafter):
             state = self.group.open(seq.request_id)
             if self.slots is not None:
                 self.slots.take(seq.request_id)
+                self.drafting.take(seq.request_id)
             self.blocks.attach(state, self.blocks.match(seq.all_token_ids, seq.num_tokens - 1))
             state.fed = seq.all_token_ids[: len(state.block_table) * self.blocks.block_size]
         keep = self._kept(state, seq)
-        if keep < len(state.fed) and keep and self.slots is not None:
-            self.runner.restore_states(self._slot(seq), state.snapshot)
+        if self.slots is not None and keep == len(state.fed) > state.num_committed:
+            # Every fed draft was accepted: the drafting slot holds the committed state now.
+            rid = seq.request_id
+            self.slots.slot_of[rid], self.drafting.slot_of[rid] = self._slot(seq, True), self._slot(seq)
+            state.num_committed = keep
         del state.fed[keep:]
         self.blocks.shrink(state, keep)
         # What is kept stays: later rounds keep at least as much (the sequence only grows by verified tokens).
