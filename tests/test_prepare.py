@@ -8,7 +8,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers import kernels
-from specserve.models import loader, prepare
+from specserve.models import loader, prepare, weight_files
 from specserve.models.base import CausalLM
 from specserve.models.prepare import PreparedWeights
 
@@ -23,7 +23,7 @@ def greedy(model_dir, quantization: str) -> tuple[list[int], list[float]]:
 
 
 def cache_for(model_dir, quantization: str) -> PreparedWeights:
-    return PreparedWeights(loader._safetensors_files(model_dir), quantization, torch.float32)
+    return PreparedWeights(weight_files.safetensors_files(model_dir), quantization, torch.float32)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
@@ -55,7 +55,9 @@ def test_the_key_follows_the_source_and_the_settings(tiny_model_dir, tmp_path, m
     int4 = cache_for(model_dir, "int4").directory
     assert cache_for(model_dir, "int4").directory == int4
     assert cache_for(model_dir, "int8").directory != int4
-    assert PreparedWeights(loader._safetensors_files(model_dir), "int4", torch.bfloat16).directory != int4
+    assert (
+        PreparedWeights(weight_files.safetensors_files(model_dir), "int4", torch.bfloat16).directory != int4
+    )
     copy = tmp_path / "copy"
     copy.mkdir()
     for f in model_dir.iterdir():
@@ -66,6 +68,8 @@ def test_the_key_follows_the_source_and_the_settings(tiny_model_dir, tmp_path, m
 def test_small_models_are_not_cached(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     model_dir = tiny_model_dir("qwen3")
-    assert PreparedWeights.for_source(loader._safetensors_files(model_dir), "int4", torch.float32) is None
+    assert (
+        PreparedWeights.for_source(weight_files.safetensors_files(model_dir), "int4", torch.float32) is None
+    )
     loader.load_model(str(model_dir), quantization="int4")
     assert not (tmp_path / "prepared").exists()

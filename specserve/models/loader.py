@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from specserve.models.sharding import (
     full_parameter_shapes,
     shard_config,
 )
+from specserve.models.weight_files import iter_checkpoint_tensors, safetensors_files
 
 # What snapshot_download fetches: config, weights, tokenizer and chat template files, nothing else.
 HUB_ALLOW_PATTERNS = [
@@ -237,40 +237,6 @@ def load_hf_config(model_dir: Path):
         ) from exc
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise SpecserveError(
-                f"{model_dir}: shards listed in the index are missing: {', '.join(missing[:4])}"
-            )
-        return [model_dir / f for f in files]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise SpecserveError(f"{model_dir} has no *.safetensors weights")
-    return files
-
-
-def iter_checkpoint_tensors(model_dir: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) for every tensor of every safetensors file whose name starts with `prefix`,
-    one at a time (mmap'd reads: the others are never read)."""
-    from safetensors import safe_open
-
-    for path in _safetensors_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            names = [name for name in fh.keys() if name.startswith(prefix)]  # noqa: SIM118 (not a mapping)
-        for name in names:
-            # A handle maps its whole file and every page read stays resident (in RSS) until it closes: a
-            # handle per tensor keeps a load's peak at the weights plus a tensor, not plus a 2 GB shard.
-            with safe_open(str(path), framework="pt", device="cpu") as fh:
-                tensor = fh.get_tensor(name)
-            yield name, tensor
-            del tensor  # before the next read maps its pages
-
-
 def load_tokenizer(model_dir: Path):
     """The directory's tokenizer, or None when it has none (the engine then takes token-id prompts only)."""
     model_dir = Path(model_dir)
@@ -318,7 +284,7 @@ def load_model(
     cache = None
     if quantization and world_size == 1:  # a rank's shard is quantized from its fp32 part each time
         cache = PreparedWeights.for_source(
-            [*_safetensors_files(model_dir), *([source] if source else [])], quantization, dtype
+            [*safetensors_files(model_dir), *([source] if source else [])], quantization, dtype
         )
     if cache is not None and cache.exists():
         cache.load_into(net)

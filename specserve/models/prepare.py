@@ -38,6 +38,7 @@ from specserve.layers.quant import (
     quantize_model,
     replace_module,
 )
+from specserve.models.weight_files import iter_checkpoint_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +174,6 @@ class PreparedWeights:
         """Fill `model` (built, its weights unread) with the cached form: its parameters and buffers copied
         in, its quantized layers rebuilt from their kernel buffers. A file handle per tensor, as a source
         load: the file's pages leave the process as it goes. `prepare_model` then fuses, packs and moves."""
-        from specserve.models.loader import iter_checkpoint_tensors
-
         manifest = json.loads((self.directory / MANIFEST_FILE).read_text())
         layers = {layer["names"][0]: layer for layer in manifest["layers"]}
         buffers: dict[str, torch.Tensor] = {}

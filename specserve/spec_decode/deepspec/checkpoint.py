@@ -18,7 +18,8 @@ from torch import nn
 
 from specserve.config import SpecserveError
 from specserve.models.base import CausalLM
-from specserve.models.loader import iter_checkpoint_tensors, resolve_model
+from specserve.models.loader import resolve_model
+from specserve.models.weight_files import iter_checkpoint_tensors
 from specserve.spec_decode.deepspec.config import DrafterConfig, DSparkConfig
 from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.models.loader import iter_checkpoint_tensors
 from specserve.models.prepare import prepare_model
 from specserve.models.qwen3_next import HybridQwenForCausalLM, MultiTokenPredictor
+from specserve.models.weight_files import iter_checkpoint_tensors
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch
 from specserve.spec_decode.drafters.eagle3 import Eagle3Drafter
