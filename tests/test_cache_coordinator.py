@@ -40,7 +40,7 @@ def coordinator(
     states = None
     if state_slots:
         kept = PrefixStates(range(state_slots, state_slots + checkpoints), interval_blocks * BLOCK, BLOCK)
-        states = StateGroup(state_slots, kept if checkpoints else None)
+        states = StateGroup(range(state_slots), kept if checkpoints else None)
     return CacheCoordinator(kv, states, drafter, interval_blocks * BLOCK)
 
 
@@ -174,8 +174,8 @@ def test_the_budget_pays_for_recurrent_states_then_checkpoints():
 # ---- preemption -----------------------------------------------------------------------------------------
 def test_preemption_frees_every_group_of_the_request():
     kv = PagedGroup(BlockManager(4, BLOCK))
-    drafter = DrafterCaches([PagedGroup(BlockManager(8, BLOCK), PagedEntry)], StateGroup(2))
-    caches = CacheCoordinator(kv, StateGroup(2), drafter)
+    drafter = DrafterCaches([PagedGroup(BlockManager(8, BLOCK), PagedEntry)], [StateGroup(range(2))])
+    caches = CacheCoordinator(kv, StateGroup(range(2)), drafter)
     sched = Scheduler(caches, max_num_seqs=2, max_num_batched_tokens=100)
     a, b = (Sequence(name, list(range(8)), SamplingParams(), max_tokens=8) for name in "ab")
     sched.add(a)
@@ -185,12 +185,30 @@ def test_preemption_frees_every_group_of_the_request():
         piece.seq.output_token_ids.append(7)
         # the drafter keeps something for each running request
         drafter.paged[0].blocks.grow(drafter.paged[0].open(piece.seq.request_id), 4)
-        drafter.states.take(piece.seq.request_id)
+        drafter.states[0].take(piece.seq.request_id)
     batch = sched.schedule()  # a needs a third block: b is preempted
     assert batch.preempted == [b] and [p.seq for p in batch.pieces] == [a]
     assert "b" not in kv.entries and "b" not in caches.states.slot_of
-    assert drafter.paged[0].entry("b") is None and "b" not in drafter.states.slot_of
-    assert drafter.paged[0].blocks.num_free_blocks == 7 and len(drafter.states.free_slots) == 1
+    assert drafter.paged[0].entry("b") is None and "b" not in drafter.states[0].slot_of
+    assert drafter.paged[0].blocks.num_free_blocks == 7 and len(drafter.states[0].free_slots) == 1
     sched.finish(a)
     assert kv.blocks.num_free_blocks == 4 and drafter.paged[0].blocks.num_free_blocks == 8
-    assert len(caches.states.free_slots) == 2 and len(drafter.states.free_slots) == 2
+    assert len(caches.states.free_slots) == 2 and len(drafter.states[0].free_slots) == 2
+
+
+def test_a_hybrid_draft_models_two_slots_a_request_come_out_of_the_budget():
+    drafter = DrafterCacheSpec(
+        (PagedSpec(bytes_per_block=100),), state_bytes_per_slot=500, state_slots_per_request=2
+    )
+    args = dict(block_size=BLOCK, max_num_seqs=2, max_model_len=16, enable_prefix_caching=False)
+    plan = plan_cache_memory(CacheLayout(100, 0, drafter), 10_000, **args)
+    # 2 requests x 2 slots x 500 bytes; the rest in blocks of target and drafter KV (200 bytes a block)
+    assert plan.num_state_slots_drafter == 2 and plan.num_blocks == min((10_000 - 2000 - 2 * 100) // 200, 10)
+    caches = DrafterCaches.build(drafter, plan.drafter_blocks, plan.num_state_slots_drafter, BLOCK, False)
+    committed, drafting = caches.states
+    assert list(committed.free_slots) == [0, 1] and list(drafting.free_slots) == [2, 3]
+    committed.take("a"), drafting.take("a")
+    caches.free("a")
+    assert len(committed.free_slots) == len(drafting.free_slots) == 2
+    with pytest.raises(SpecserveError, match="does not even hold the recurrent states"):
+        plan_cache_memory(CacheLayout(100, 0, drafter), 2000, **args)
