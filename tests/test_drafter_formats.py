@@ -199,12 +199,12 @@ def observed_drafter(directory: str, target_dir, tokens: list[int], num_context:
     """The engine's drafter for a checkpoint, handed random target features of positions < num_context."""
     from specserve.config import SpeculativeConfig
     from specserve.spec_decode.drafters import build_drafter
-    from tests.test_dspark import fake_target, sequence
+    from tests.test_dspark import bound, fake_target, sequence
 
     target, target_config, _ = load_model(str(target_dir))
     context = fake_target()
     context = type(context)(**{**context.__dict__, "model": target, "model_config": target_config})
-    drafter = build_drafter(SpeculativeConfig(method="dspark", model=directory), context)
+    drafter = bound(build_drafter(SpeculativeConfig(method="dspark", model=directory), context))
     width = drafter.feature_width
     features = torch.randn(num_context, width, generator=torch.Generator().manual_seed(3))
     seq = sequence("r", tokens[: num_context + 1])

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 from specserve.config import SpecserveError
 from specserve.core.block_manager import BlockManager
-from specserve.core.cache_groups import PagedGroup, PagedSpec, PrefixStates, StateCopy, StateGroup
+from specserve.core.cache_groups import (
+    PagedGroup,
+    PagedSpec,
+    PrefixStates,
+    RecordGroup,
+    StateCopy,
+    StateGroup,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class DrafterCacheSpec:
     paged: tuple[PagedSpec, ...] = ()
     state_bytes_per_slot: int = 0
     state_slots_per_request: int = 1
+    record_type: type | None = None  # a record per request that holds no cache memory
 
 
 @dataclass(frozen=True)
@@ -111,11 +119,13 @@ def plan_cache_memory(
 
 @dataclass
 class DrafterCaches:
-    """A drafter's own groups: paged ones in the order of its `DrafterCacheSpec.paged`, and groups of state
-    slots (`state_slots_per_request` of them, slots numbered on from one group to the next)."""
+    """A drafter's own groups: paged ones in the order of its `DrafterCacheSpec.paged`, groups of state slots
+    (`state_slots_per_request` of them, slots numbered on from one group to the next), and its per-request
+    records."""
 
     paged: list[PagedGroup]
     states: list[StateGroup] = field(default_factory=list)
+    records: RecordGroup | None = None
 
     @classmethod
     def build(
@@ -138,7 +148,7 @@ class DrafterCaches:
         states = [
             StateGroup(range(g * n, (g + 1) * n)) for g in range(spec.state_slots_per_request if n else 0)
         ]
-        return cls(paged, states)
+        return cls(paged, states, RecordGroup(spec.record_type) if spec.record_type else None)
 
     @classmethod
     def standalone(
@@ -153,6 +163,8 @@ class DrafterCaches:
     def free(self, request_id: str) -> None:
         for group in [*self.paged, *self.states]:
             group.free(request_id)
+        if self.records is not None:
+            self.records.free(request_id)
 
 
 def _extra_blocks(spec: PagedSpec, block_size: int) -> int:

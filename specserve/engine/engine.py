@@ -139,7 +139,6 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=self.generator,
             tensor_parallel_size=self.config.tensor_parallel_size,
-            kv_caches=None if self.parallel is not None else self.runner.kv_caches,
         )
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from specserve.layers.attention import AttentionMetadata, KVCache
+from specserve.layers.attention import KVCache
+from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.norm import RMSNorm
 from specserve.models.gemma import GemmaDecoderLayer, plan_layers
 
@@ -84,7 +85,7 @@ class Gemma4Assistant(nn.Module):
         self,
         inputs: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: ForwardMetadata,
         kv_caches: Sequence[KVCache | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for R rows: inputs [R, 2 * backbone] -> (normed hidden [R, H] for the logits,

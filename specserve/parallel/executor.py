@@ -67,6 +67,11 @@ class ShardedRunner:
     def model(self):
         return self.runner.model
 
+    @property
+    def kv_caches(self) -> list:
+        """This rank's (the driver's) shard of the target's caches."""
+        return self.runner.kv_caches
+
     def forward(
         self,
         pieces: Seq[PieceInput],

@@ -26,9 +26,6 @@ class TargetContext:
     eos_token_ids: frozenset[int]
     generator: torch.Generator  # unseeded requests draw from the engine's generator
     tensor_parallel_size: int = 1  # ranks the target is split over (its runner's cost depends on it)
-    # The target's per-layer caches, read by drafters that attend over them (Gemma 4 assistants); None
-    # under tensor parallelism, where this process holds only its share of the heads.
-    kv_caches: list | None = None
 
     @property
     def vocab_size(self) -> int:

@@ -74,6 +74,7 @@ class Speculator:
         measured on the target's `runner` and `caches`: the drafter's points at once, the target's one per
         step while every request verifies all its drafts (the `fixed` policy), which pays at low load."""
         self.drafter.bind_caches(caches.drafter)
+        self.drafter.bind_target(caches.kv, runner.kv_caches)
         config = self.config
         self.profiler: CostProfiler | None = None
         profile = None

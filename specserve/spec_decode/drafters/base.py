@@ -6,6 +6,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
+from specserve.core.cache_groups import PagedGroup
 from specserve.core.proposal import DraftProposal, KeepDrafting
 from specserve.core.sequence import Sequence
 from specserve.layers.sampler import (
@@ -70,6 +71,10 @@ class Drafter:
 
     def bind_caches(self, caches: DrafterCaches) -> None:
         """Its caches' groups, as `cache_spec` asked; it allocates its tensors now."""
+
+    def bind_target(self, kv: PagedGroup, layers: list) -> None:
+        """The target's KV cache, for a drafter that reads it: the group (each request's block table) and
+        its layers' caches (the runner's, in model layer order)."""
 
 
 def sample_drafts(

@@ -13,27 +13,39 @@ nothing is rolled back: a round only needs the target's newest hidden state, whi
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
+from specserve.core.cache_groups import PagedGroup
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
-from specserve.layers.attention import AttentionMetadata
+from specserve.layers.metadata import ForwardMetadata
 from specserve.models.gemma import GemmaForCausalLM
 from specserve.models.gemma4_assistant import KV_SOURCE, Gemma4Assistant
-from specserve.models.loader import iter_checkpoint_tensors, resolve_model
+from specserve.models.loader import resolve_model
+from specserve.models.weight_files import iter_checkpoint_tensors
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.drafters.base import Drafter, sample_drafts
 
 ASSISTANT_TYPES = ("gemma4_assistant",)
 
 
+@dataclass
+class NewestFeature:
+    """A request's newest target feature: its position, and the feature there."""
+
+    position: int = -1
+    feature: torch.Tensor | None = None
+
+
 class Gemma4AssistantDrafter(Drafter):
     def __init__(self, model: Gemma4Assistant, target: TargetContext, sources: list, num_tokens: int):
         self.model = model
         self.target = target.model
-        self.kv_caches = sources  # [the target's sliding source cache, its full source cache]
+        self.sources = sources  # the target layers whose caches it reads: [its sliding one, its full one]
         self.capture_layers = (target.model_config.num_hidden_layers - 1,)
         self.feature_width = target.model_config.hidden_size
         self.default_num_tokens = num_tokens
@@ -41,7 +53,6 @@ class Gemma4AssistantDrafter(Drafter):
         self.vocab_size = target.vocab_size
         self.generator = target.generator
         self.embed_scale = target.model_config.hidden_size**0.5
-        self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, target features there)
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, target: TargetContext) -> Gemma4AssistantDrafter:
@@ -50,7 +61,7 @@ class Gemma4AssistantDrafter(Drafter):
         config = _assistant_config(json.loads((directory / "config.json").read_text()), target, source)
         if not isinstance(target.model, GemmaForCausalLM) or target.model_config.model_type != "gemma4_text":
             raise SpecserveError(f"{source}: a Gemma 4 assistant drafts for a Gemma 4 target only")
-        if target.kv_caches is None:
+        if target.tensor_parallel_size > 1:
             raise SpecserveError(
                 "a Gemma 4 assistant reads the target's KV cache, which tensor parallelism splits over "
                 "ranks: use tensor_parallel_size 1"
@@ -62,13 +73,21 @@ class Gemma4AssistantDrafter(Drafter):
         sources = _target_sources(model, target, source)
         return cls(model, target, sources, spec.num_speculative_tokens or 1)
 
+    def cache_spec(self, block_size: int) -> DrafterCacheSpec:
+        return DrafterCacheSpec(record_type=NewestFeature)  # no cache of its own: it reads the target's
+
+    def bind_caches(self, caches: DrafterCaches) -> None:
+        self.newest = caches.records
+
+    def bind_target(self, kv: PagedGroup, layers: list) -> None:
+        self.target_kv = kv
+        self.kv_caches = [layers[i] if i is not None else None for i in self.sources]
+
     # ---- the target's newest hidden state ---------------------------------------------------------------
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         if features.shape[0]:
-            self.last[seq.request_id] = (start + features.shape[0] - 1, features[-1])
-
-    def release(self, seq: Sequence) -> None:
-        self.last.pop(seq.request_id, None)
+            newest = self.newest.open(seq.request_id)
+            newest.position, newest.feature = start + features.shape[0] - 1, features[-1]
 
     # ---- drafting ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -79,9 +98,10 @@ class Gemma4AssistantDrafter(Drafter):
         ready = [
             i
             for i, s in enumerate(seqs)
-            if (last := self.last.get(s.request_id)) is not None
-            and last[0] == s.num_tokens - 2
-            and len(s.block_table) * self.block_size >= s.num_tokens - 1
+            if (newest := self.newest.entry(s.request_id)) is not None
+            and newest.position == s.num_tokens - 2
+            and (table := self.target_kv.entry(s.request_id)) is not None
+            and len(table.block_table) * self.block_size >= s.num_tokens - 1
         ]
         if not ready or num_tokens < 1:
             return proposals
@@ -89,15 +109,15 @@ class Gemma4AssistantDrafter(Drafter):
         anchors = torch.tensor([s.num_tokens - 1 for s in rows])
         # Keys are the target's rows < a; in sliding layers transformers' assistant mask keeps the last
         # sliding_window + 1 of them, which a non-causal query at position a - 2 sees.
-        attn = AttentionMetadata.build(
+        attn = ForwardMetadata.build(
             query_start=list(range(len(rows) + 1)),
             context_lens=anchors.tolist(),
-            block_tables=[s.block_table for s in rows],
+            block_tables=[self.target_kv.entry(s.request_id).block_table for s in rows],
             positions=(anchors - 2).clamp(min=0),
             block_size=self.block_size,
             causal=False,
         )
-        hidden = self.target.model.norm(torch.stack([self.last[s.request_id][1] for s in rows]))
+        hidden = self.target.model.norm(torch.stack([self.newest.entry(s.request_id).feature for s in rows]))
         hidden = hidden.to(self.model.pre_projection.weight.dtype)
         tokens = torch.tensor([s.all_token_ids[-1] for s in rows])
         drafted: list[list[int]] = [[] for _ in rows]
@@ -147,14 +167,14 @@ def _assistant_config(raw: dict, target: TargetContext, source: str):
     return config
 
 
-def _target_sources(model: Gemma4Assistant, target: TargetContext, source: str) -> list:
-    """The target caches the assistant's layers read: its last cache-owning layer of each type, checked to
-    have the geometry the assistant's queries expect."""
+def _target_sources(model: Gemma4Assistant, target: TargetContext, source: str) -> list[int | None]:
+    """The target layers whose caches the assistant's layers read: its last cache-owning layer of each type,
+    checked to have the geometry the assistant's queries expect."""
     plans = target.model.plans
     sources = []
     for layer_type in sorted(KV_SOURCE, key=KV_SOURCE.get):  # sliding (-2), then full (-1)
         owners = [i for i, p in enumerate(plans) if p.layer_type == layer_type and p.kv_source == i]
-        sources.append(target.kv_caches[owners[-1]] if owners else None)
+        sources.append(owners[-1] if owners else None)
         for plan in (p for p in model.plans if p.layer_type == layer_type):
             if not owners:
                 raise SpecserveError(f"{source}: the target has no {layer_type} layer for its {layer_type}")
