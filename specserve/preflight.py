@@ -24,8 +24,6 @@ from specserve.models.generation_config import DEFAULT_MAX_MODEL_LEN, context_le
 from specserve.models.loader import ModelFiles, load_hf_config, locate_model
 from specserve.models.registry import model_skeleton, text_config_of
 
-CHECKPOINT_DRAFTERS = ("dspark", "dflash", "eagle3")
-
 
 def model_config(files: ModelFiles, revision: str | None = None):
     """The transformers config of a located model, read from config.json or the GGUF header; None for a
@@ -126,13 +124,13 @@ def _check_drafter(
         return
     if spec.method == "draft_model":
         _check_draft_model(spec, target_files, target_text)
-    elif spec.method in CHECKPOINT_DRAFTERS:
+    elif spec.model is not None:  # a drafter checkpoint (or a Gemma 4 assistant, under method 'mtp')
         locate_model(spec.model)  # a path that is not there, or a name that is nothing, fails here
     if target_text is None:
         return
     from specserve.models.qwen3_next import HybridQwenForCausalLM
 
-    if spec.method == "mtp":
+    if spec.method == "mtp" and spec.model is None:  # the target's own layer
         _check_mtp(target_files, isinstance(target_skeleton, HybridQwenForCausalLM), config.model)
     if target_skeleton.has_recurrent_state and spec.num_speculative_tokens is not None:
         from specserve.layers.gated_deltanet import RECURRENT_MAX_LEN
