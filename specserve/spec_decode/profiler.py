@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from specserve.config import SamplingParams
 from specserve.core.cache_coordinator import CacheCoordinator
-from specserve.core.cache_groups import PagedEntry
+from specserve.core.cache_groups import PagedEntry, StateGroup
 from specserve.core.sequence import Sequence
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.cost_profile import DEFAULT_CONTEXT, CostProfile
@@ -96,6 +96,8 @@ def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
 class CostProfiler:
     """Measures an engine's `CostProfile` one point at a time (module docstring)."""
 
+    timing_states: StateGroup | None = None  # a hybrid target's slots, one of which the timed steps hold
+
     def __init__(
         self,
         target: TargetContext,
@@ -104,7 +106,7 @@ class CostProfiler:
         drafter: Drafter,
         num_draft_tokens: int,
     ):
-        self.target, self.runner, self.caches = target, runner, caches
+        self.target, self.runner, self.caches, self.blocks = target, runner, caches, caches.kv.blocks
         self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
         self.context = min(DEFAULT_CONTEXT, target.max_model_len - PIECE_LEN - 1)
         schedulable = target.max_num_seqs * (num_draft_tokens + 1)
@@ -167,9 +169,10 @@ class CostProfiler:
         if not self.pending:
             self.pending = self._probes()
         if not self.pending:
-            self.caches.kv.blocks.free(self.scratch)
-            if self.caches.states is not None:
-                self.caches.states.free(TIMING)
+            self.blocks.free(self.scratch)
+            if self.timing_states is not None:
+                self.timing_states.free(TIMING)
+                self.timing_states = None
             self.scratch = None
             self.close_progress()
         return True
@@ -198,13 +201,14 @@ class CostProfiler:
         )
 
     def _take_scratch(self) -> bool:
-        needed, blocks, states = self.context + PIECE_LEN, self.caches.kv.blocks, self.caches.states
+        needed, states = self.context + PIECE_LEN, self.caches.states
         scratch = PagedEntry()
-        if not blocks.can_grow(scratch, needed) or (states is not None and not states.free_slots):
+        if not self.blocks.can_grow(scratch, needed) or (states is not None and not states.free_slots):
             return False
-        blocks.grow(scratch, needed)  # every piece reads the same blocks: timing only
+        self.blocks.grow(scratch, needed)  # every piece reads the same blocks: timing only
         if states is not None:  # hybrid targets: a slot of their own, which no request reads meanwhile
             states.take(TIMING)
+            self.timing_states = states
         self.scratch = scratch
         # untimed: the first forward pages the weights in and warms the allocator
         self._forward(1)
