@@ -237,6 +237,18 @@ def test_a_vanishing_repetition_penalty_keeps_logits_finite():
     assert sample(logits, batch).token_ids.tolist() == [1]  # the boosted positive logit
 
 
+def test_a_vanishing_repetition_penalty_leaves_masked_tokens_masked():
+    """A grammar's mask (-inf) on tokens the penalty applies to stays -inf under a penalty of 0 in fp32
+    (-inf x 0 was NaN, and greedy picked the masked token: "token broke the request's output
+    constraint", found by the schemathesis load test with json_object)."""
+    logits = torch.tensor([[float("-inf"), 2.0, float("-inf"), -1.0, float("-inf")]])
+    params = [SamplingParams(temperature=0.0, top_k=1, repetition_penalty=5e-324)]
+    batch = _batch(params, 5, [[0, 2, 3]], [[4]], generator=torch.Generator().manual_seed(0))
+    lp = processed_logprobs(logits, batch)
+    assert not lp.isnan().any() and lp[0, [0, 2, 4]].isneginf().all()
+    assert sample(logits, batch).token_ids.tolist() == [1]
+
+
 def test_presence_and_frequency_ignore_prompt_tokens():
     logits = torch.zeros(1, 4)
     params = [SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=1.0)]

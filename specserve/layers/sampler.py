@@ -202,11 +202,12 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> None:
     """In place: repetition divides positive / multiplies negative logits, then subtract freq/presence."""
     assert batch.pen_rows is not None and batch.pen_ids is not None
     v = x[batch.pen_rows, batch.pen_ids]
-    v = torch.where(v > 0, v / batch.pen_rep, v * batch.pen_rep) - batch.pen_offset
+    penalized = torch.where(v > 0, v / batch.pen_rep, v * batch.pen_rep) - batch.pen_offset
     # a tiny penalty (positive as the client's float64, 0 in fp32) must not make a logit infinite: an
-    # inf beside the masks of top-k / grammars turns the row's softmax into NaN
+    # inf beside the masks of top-k / grammars turns the row's softmax into NaN; and a masked token
+    # (-inf: a grammar's, a logit_bias of -inf) stays masked (-inf x 0 would be NaN, and sampled)
     finite = torch.finfo(v.dtype).max
-    x[batch.pen_rows, batch.pen_ids] = v.clamp(-finite, finite)
+    x[batch.pen_rows, batch.pen_ids] = torch.where(v.isneginf(), v, penalized.clamp(-finite, finite))
 
 
 def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
