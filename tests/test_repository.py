@@ -16,17 +16,19 @@ TEXT_NAMES = {"Makefile", "run"}
 MACHINE_PATH = re.compile(r"(?<![\w.~$/-])/(?:work|root|home|tmp|mnt|srv|scratch)/[^\s'\"`)\]]*")
 RELATIVE_UP = re.compile(r"(?<![\w./-])\.\./[^\s'\"`)\]>,;]*")
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A results folder named in a text; `git show COMMIT:benchmarks/results/...` (a run of the past) is not one.
+RESULTS_FOLDER = re.compile(r"(?<![\w:/.-])benchmarks/results/([\w.-]+)")
 
 
-def tracked_texts() -> list[Path]:
+def tracked_files() -> list[Path]:
     files = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
-    return [
-        ROOT / f
-        for f in files
-        if (Path(f).suffix in TEXT_SUFFIXES or Path(f).name in TEXT_NAMES) and (ROOT / f).is_file()
-    ]
+    return [ROOT / f for f in files if (ROOT / f).is_file()]
+
+
+def tracked_texts() -> list[Path]:
+    return [p for p in tracked_files() if p.suffix in TEXT_SUFFIXES or p.name in TEXT_NAMES]
 
 
 def inside(path: Path) -> bool:
@@ -63,6 +65,18 @@ def test_markdown_links_resolve(path: Path):
     assert not broken, f"{path.relative_to(ROOT)} links to what the repository lacks: {broken}"
 
 
+@pytest.mark.parametrize(
+    "path",
+    tracked_texts() + [p for p in tracked_files() if p.suffix == ".py"],
+    ids=lambda p: p.relative_to(ROOT).as_posix(),
+)
+def test_named_result_folders_exist(path: Path):
+    """benchmarks/results/ keeps the latest result of each benchmark; earlier runs are cited by commit."""
+    results = ROOT / "benchmarks" / "results"
+    missing = sorted({m for m in RESULTS_FOLDER.findall(path.read_text()) if not (results / m).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names results that are gone (cite the commit): {missing}"
+
+
 def test_every_result_picture_is_shown_somewhere():
     shown = set()
     for doc in (p for p in tracked_texts() if p.suffix == ".md"):
@@ -93,3 +107,5 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     assert resolves_inside(ROOT / "docs", "benchmarks/data/humaneval.jsonl")  # from the root
     assert not resolves_inside(ROOT, "../README.md")
     assert [m.group(0) for m in MACHINE_PATH.finditer("~/.cache/x $HOME/y /proc/cpuinfo")] == []
+    named = "`benchmarks/results/quant-decode/`, `git show 8103c18:benchmarks/results/quant-decode-amx/x`"
+    assert RESULTS_FOLDER.findall(named) == ["quant-decode"]
