@@ -25,7 +25,6 @@ TOKENS = list(range(10, 40))  # 30 tokens: 7 full blocks
 def coordinator(
     num_blocks: int = 16,
     drafter_blocks: int | None = None,
-    lookahead: int = 0,
     state_slots: int = 0,
     checkpoints: int = 0,
     interval_blocks: int = 2,
@@ -35,7 +34,7 @@ def coordinator(
     kv = PagedGroup(BlockManager(num_blocks, BLOCK, enable_prefix_caching=True))
     drafter = DrafterCaches([])
     if drafter_blocks is not None:
-        blocks = BlockManager(drafter_blocks, BLOCK, enable_prefix_caching=True, lookahead=lookahead)
+        blocks = BlockManager(drafter_blocks, BLOCK, enable_prefix_caching=True)
         drafter.paged.append(PagedGroup(blocks, limits_prefix_hits=True))
     states = None
     if state_slots:
@@ -72,21 +71,16 @@ def test_kv_rolls_back_by_length_and_registers_only_committed_blocks():
     assert caches.prefix_hit(TOKENS, len(TOKENS) - 1) == caches.block_table("a")[:2]
 
 
-def test_a_drafter_group_rolls_back_to_its_final_rows_and_caches_them_with_their_lookahead():
-    caches = coordinator(drafter_blocks=16, lookahead=1)
+def test_a_drafter_group_rolls_back_to_its_final_rows_and_caches_their_full_blocks():
+    caches = coordinator(drafter_blocks=16)
     group = caches.drafter.paged[0]
     entry = group.open("a")
     group.blocks.grow(entry, 16)  # context rows and drafted rows
-    group.roll_back(entry, 9, lambda: TOKENS[:9])  # rows < 9 are final; only 9 tokens are known
+    group.roll_back(entry, 9, lambda: TOKENS[:9])  # rows < 9 are final
     assert entry.num_cached == 9 and len(entry.block_table) == 3 and group.blocks.num_free_blocks == 13
-    # Row 7 reads token 8: block 1 is known; block 2's rows would need token 12, not known yet.
-    assert len(group.hit(TOKENS, 12)) == 2
-    group.roll_back(entry, 9, lambda: TOKENS)
     assert len(group.hit(TOKENS, 12)) == 2  # row 8's block is not full: nothing more to cache
     group.blocks.grow(entry, 14)
     group.roll_back(entry, 12, lambda: TOKENS)
-    assert len(group.hit(TOKENS, 12)) == 2  # its last row's lookahead token is not committed yet
-    group.roll_back(entry, 13, lambda: TOKENS)
     assert len(group.hit(TOKENS, 12)) == 3
 
 

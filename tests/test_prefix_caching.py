@@ -12,6 +12,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.core.block_manager import BlockManager
 from specserve.core.cache_groups import PrefixStates
+from specserve.layers.attention import KVCache
+from specserve.spec_decode.drafters.hidden_states import ContextGroup, ContextState
 from specserve.worker.model_runner import kv_bytes_per_block, state_bytes_per_slot
 from tests.server_harness import MODEL_NAME, make_client, running_server, wait_until
 from tests.test_speculative import greedy_bigram_bias, repetitive_prompts
@@ -92,12 +94,29 @@ def test_a_block_computed_twice_continues_the_chain_and_stays_private():
     assert b.block_table == [] and bm.num_free_blocks == 7  # its private twin went back to the free list
 
 
-def test_lookahead_keys_include_the_tokens_after_a_block():
-    bm = BlockManager(8, 2, enable_prefix_caching=True, lookahead=1)
-    a = computed(bm, [1, 2, 3, 4, 5])
-    assert bm.num_cached_blocks == 2  # block 1 ([3, 4]) was computed with token 5 after it
-    assert bm.match([1, 2, 3, 4, 5, 6], 5) == a.block_table[:2]
-    assert bm.match([1, 2, 3, 4, 9, 6], 5) == a.block_table[:1]
+def test_a_context_that_reads_the_next_token_shares_a_hit_but_its_last_row():
+    """EAGLE-3 / MTP: a block's last row reads the token after the block. A hit takes the cached blocks and a
+    private copy of the last one (same rows), whose last row is pending again from the feature kept with the
+    block, to be recomputed with the request's own next token."""
+    group = ContextGroup(BlockManager(8, 2, enable_prefix_caching=True), ContextState, True)
+    group.reads_next_token = True
+    group.caches = [KVCache(torch.randn(8, 2, 1, 4), torch.randn(8, 2, 1, 4))]
+    group.last_features = torch.zeros(8, 3)
+    a = group.open("a")
+    group.blocks.grow(a, 4)
+    rows = torch.arange(4)  # a's context rows 0..3 written, with their target features
+    slots = torch.tensor(a.block_table)[rows // 2] * 2 + rows % 2
+    group.keep_last_features(slots, rows, torch.arange(12.0).view(4, 3))
+    group.roll_back(a, 4, lambda: [1, 2, 3, 4, 5])
+    assert len(group.hit([1, 2, 3, 4, 9], 4)) == 2  # keyed by the blocks' own tokens: the next may differ
+    group.attach("b", [1, 2, 3, 4, 9], 4)
+    b = group.entries["b"]
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]  # the last, copied
+    for cache in group.caches:
+        assert torch.equal(cache.k[b.block_table[1]], cache.k[a.block_table[1]])
+    assert b.num_cached == 3 and b.num_pending == 1  # row 3 again, from the feature kept with its block
+    assert torch.equal(b.pending[0], torch.tensor([[9.0, 10.0, 11.0]]))
+    assert group.blocks.ref_counts[a.block_table[1]] == 1  # the shared block is a's alone again
 
 
 # ---- the engine -----------------------------------------------------------------------------------------
@@ -300,6 +319,41 @@ def test_hybrid_outputs_with_caching_equal_outputs_without(method, hybrid_dir, t
     assert hits[0] == 0 and hits[1] == 16  # B shares 21 tokens with A: the state is kept at 16
     assert hits[2] == (len(requests[0]) - 1) // interval * interval
     assert hits[3] >= hits[2] and hits[4] == (len(requests[1]) - 1) // interval * interval
+    assert engines[True].engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "mtp"])
+def test_drafters_that_read_the_next_token_hit_a_prefix_ending_at_a_block_whole(method, hybrid_dir, tmp_path):
+    """A shared prefix that ends at a block (and an interval, where the state is kept), then different
+    tokens: EAGLE-3 and MTP, whose context row t reads token t + 1, hit it whole as ngram does (they hit one
+    block less before: the last block's last row was keyed by the token after the block), with outputs equal
+    to an engine without caching."""
+    spec = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "eagle3": {
+            "method": "eagle3",
+            "model": str(save_tiny_drafter(hybrid_dir, tmp_path / "e", std=0.2, eagle3=True, ttt_length=3)),
+        },
+        "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+    }[method]
+    prefix = repetitive_prompts(1, seed=11)[0] * 4
+    prefix = prefix[: len(prefix) // 16 * 16]
+    requests = [prefix + [5, 6, 7], prefix + [8, 9], prefix + [10]]
+    params = sampling(3, 0.0)
+    engines = {
+        on: LLM(
+            hybrid_dir,
+            max_model_len=256,
+            block_size=BLOCK,
+            state_checkpoint_interval=4 * BLOCK,
+            enable_prefix_caching=on,
+            speculative_config=spec,
+        )
+        for on in (True, False)
+    }
+    cached, uncached = (serve_one_by_one(engines[on], requests, params) for on in (True, False))
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+    assert [o.num_cached_tokens for o in cached] == [0, len(prefix), len(prefix)]
     assert engines[True].engine.block_manager.num_used_blocks == 0
 
 

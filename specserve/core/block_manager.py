@@ -28,18 +28,12 @@ class HasBlockTable(Protocol):
 
 
 class BlockManager:
-    """`lookahead` > 0: a block's content also depends on that many tokens after it (a drafter whose cache
-    row t reads token t + 1), so they are part of its key."""
-
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, lookahead: int = 0
-    ):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.lookahead = lookahead
         self.free_blocks: deque[int] = deque(range(num_blocks))  # blocks holding nothing reusable
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unowned cached blocks, first freed first
         self.ref_counts = [0] * num_blocks
@@ -94,8 +88,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs, blocks, parent = self.block_size, [], EMPTY_PREFIX
-        for i in range(min(max_tokens, len(token_ids) - self.lookahead) // bs):
-            block = self._cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs + self.lookahead])))
+        for i in range(min(max_tokens, len(token_ids)) // bs):
+            block = self._cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
             if block is None:
                 break
             blocks.append(block)
@@ -123,17 +117,17 @@ class BlockManager:
 
     def commit(self, seq: HasBlockTable, num_committed: int, token_ids: Callable[[], list[int]]) -> None:
         """Register `seq`'s full blocks among its first `num_committed` tokens (which are final: never
-        rolled back); `token_ids()` gives at least those tokens and the lookahead after them."""
+        rolled back); `token_ids()` gives at least those tokens."""
         if not self.enable_prefix_caching:
             return
         bs, done = self.block_size, len(seq.prefix_ids)
-        if (num_committed - self.lookahead) // bs <= done:  # the common case: no block filled this step
+        if num_committed // bs <= done:  # the common case: no block filled this step
             return
         tokens = token_ids()
-        full = min(num_committed, len(tokens) - self.lookahead) // bs
+        full = min(num_committed, len(tokens)) // bs
         for i in range(done, full):
             parent = seq.prefix_ids[-1] if seq.prefix_ids else EMPTY_PREFIX
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs + self.lookahead]))
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
             twin = self._cached.get(key)
             if twin is not None:  # computed meanwhile by another sequence: the chain goes on through it
                 seq.prefix_ids.append(self._content_id[twin])

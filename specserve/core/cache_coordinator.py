@@ -137,8 +137,8 @@ class DrafterCaches:
         enable_prefix_caching: bool,
     ) -> DrafterCaches:
         paged = [
-            PagedGroup(
-                BlockManager(n, block_size, enable_prefix_caching and group.prefix_caching, group.lookahead),
+            group.group_type(
+                BlockManager(n, block_size, enable_prefix_caching and group.prefix_caching),
                 group.entry_type,
                 group.limits_prefix_hits,
             )

@@ -41,26 +41,6 @@ class PagedEntry:
     num_cached: int = 0
 
 
-@dataclass(frozen=True)
-class PagedSpec:
-    """What a drafter's paged cache needs from the budget.
-
-    `bytes_per_block`: its tensors for one block of the target's block size. `extra_tokens_per_request`:
-    rows a running request may hold beyond the target's (drafted rows): its group gets the target's blocks
-    plus enough for those, so it never runs out while the target's cache has room. `lookahead`: a block's
-    content also depends on that many tokens after it (a row t that reads token t + 1). `limits_prefix_hits`:
-    its content comes from the target's forward, so a prefix hit may go only as far as this cache holds it
-    too (a drafter that catches up from tokens does not limit hits). `prefix_caching`: whether its blocks
-    may join a prefix cache at all."""
-
-    bytes_per_block: int
-    extra_tokens_per_request: int = 0
-    lookahead: int = 0
-    limits_prefix_hits: bool = False
-    prefix_caching: bool = True
-    entry_type: type[PagedEntry] = PagedEntry  # what its owner keeps per request
-
-
 Record = TypeVar("Record")
 Entry = TypeVar("Entry", bound=PagedEntry)
 
@@ -121,10 +101,30 @@ class PagedGroup(RecordGroup[Entry]):
     def roll_back(self, entry: Entry, num_tokens: int, token_ids: Callable[[], Sequence[int]]) -> None:
         """Keep the rows of the first `num_tokens` tokens, which are final (a length change: the blocks past
         them go back); the full blocks among them join the prefix cache (`token_ids()` gives at least those
-        tokens and the lookahead after them)."""
+        tokens)."""
         entry.num_cached = num_tokens
         self.blocks.shrink(entry, num_tokens)
         self.blocks.commit(entry, num_tokens, token_ids)
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """What a drafter's paged cache needs from the budget.
+
+    `bytes_per_block`: its tensors for one block of the target's block size. `extra_tokens_per_request`:
+    rows a running request may hold beyond the target's (drafted rows): its group gets the target's blocks
+    plus enough for those, so it never runs out while the target's cache has room. `limits_prefix_hits`:
+    its content comes from the target's forward, so a prefix hit may go only as far as this cache holds it
+    too (a drafter that catches up from tokens does not limit hits). `prefix_caching`: whether its blocks
+    may join a prefix cache at all. `group_type` and `entry_type`: the group's rules and what its owner
+    keeps per request, where they are its owner's own."""
+
+    bytes_per_block: int
+    extra_tokens_per_request: int = 0
+    limits_prefix_hits: bool = False
+    prefix_caching: bool = True
+    group_type: type[PagedGroup] = PagedGroup
+    entry_type: type[PagedEntry] = PagedEntry
 
 
 class PrefixStates:

@@ -24,7 +24,7 @@ from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenSt
 
 
 class Eagle3Drafter(HiddenStateDrafter):
-    context_lookahead = 1  # context row t reads the token at t + 1
+    reads_next_token = True  # context row t reads the token at t + 1
 
     def __init__(
         self,
@@ -73,6 +73,7 @@ class Eagle3Drafter(HiddenStateDrafter):
             [f for st in states for f in st.take_pending()], self.feature_width, self.caches[0].k.dtype
         )
         batch = self.paged_batch(states, owner, pos, lens, pos, causal=True)
+        self.group.keep_last_features(batch.kv_slots, pos, features)
         out = self.model(tokens, self.model.project_context(features), batch)
         hidden = out[torch.tensor(lens).cumsum(0) - 1]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]

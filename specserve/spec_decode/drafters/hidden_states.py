@@ -4,6 +4,7 @@ per-request context rows handed over by the engine, and a paged draft KV cache r
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -69,16 +70,64 @@ class DrafterLayout:
         )
 
 
+class ContextGroup(PagedGroup[ContextState]):
+    """A hidden-state drafter's context cache, a paged group of the engine's cache coordinator. With prefix
+    caching the full blocks of context rows join its prefix cache, keyed by the tokens they hold; its rows
+    come from the target's forward, so a target prefix hit goes only as far as this cache holds it too.
+
+    A drafter whose row t also reads the token at t + 1 (EAGLE-3, MTP: `reads_next_token`) keeps with each
+    block the target feature of the block's last row (`last_features`), since that row depends on the
+    token after the block, which a request sharing the prefix may not share. A hit takes the cached
+    blocks but a private copy of the last one, whose last row the request recomputes from that feature
+    and its own next token: the drafter's hit is the target's, as a drafter that reads tokens only."""
+
+    reads_next_token = False
+    caches: list[KVCache]
+    last_features: torch.Tensor | None = None  # [blocks, feature width] where reads_next_token
+
+    def hit(self, token_ids: Seq[int], max_tokens: int) -> list[int]:
+        blocks = super().hit(token_ids, max_tokens)
+        if blocks and self.reads_next_token and not self.blocks.num_free_blocks:
+            return blocks[:-1]  # no block to copy the last one into
+        return blocks
+
+    def attach(self, request_id: str, token_ids: Seq[int], num_tokens: int) -> None:
+        super().attach(request_id, token_ids, num_tokens)
+        if num_tokens and self.reads_next_token:
+            self._copy_last_block(self.entries[request_id])
+
+    def keep_last_features(
+        self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor
+    ) -> None:
+        """Of context rows just written (flat cache slots, positions, target features), keep the features
+        of those that end a block, with the block."""
+        if self.last_features is None:
+            return
+        size = self.block_size
+        ends = positions % size == size - 1
+        self.last_features[slots[ends] // size] = features[ends].to(self.last_features.dtype)
+
+    def _copy_last_block(self, entry: ContextState) -> None:
+        """The entry's last (shared) block replaced by a private copy whose last row is pending again, its
+        feature the one kept with the block."""
+        shared, spare = entry.block_table[-1], PagedEntry()
+        self.blocks.grow(spare, 1)
+        (copy,) = spare.block_table
+        for cache in self.caches:
+            cache.k[copy], cache.v[copy] = cache.k[shared], cache.v[shared]
+        self.last_features[copy] = self.last_features[shared]
+        self.blocks.shrink(entry, entry.num_cached - self.block_size)  # lets go of the shared block
+        entry.block_table.append(copy)  # its reference passes from `spare` to the entry
+        entry.num_cached -= 1
+        entry.pending.append(self.last_features[copy][None].clone())
+        entry.num_pending += 1
+
+
 class HiddenStateDrafter(Drafter):
     """`observe` collects the target features of each position in order; a subclass's `propose` turns
-    the pending rows into draft cache entries and drafts from them.
+    the pending rows into draft cache entries and drafts from them (`ContextGroup` holds them)."""
 
-    Its context cache is a paged group of the engine's cache coordinator. With prefix caching the full
-    blocks of context rows join that group's prefix cache, keyed by the tokens they were computed from
-    (`context_lookahead` tokens past the block too, when a row reads the next token); its content comes
-    from the target's forward, so a target prefix hit goes only as far as this cache holds it too."""
-
-    context_lookahead = 0
+    reads_next_token = False  # a context row t reads the token at t + 1 too (EAGLE-3, MTP)
 
     def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
@@ -94,18 +143,20 @@ class HiddenStateDrafter(Drafter):
         layout = self.layout
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_block = layout.num_layers * 2 * block_size * layout.num_kv_heads * layout.head_dim * elem
+        if self.reads_next_token:  # the last row's feature kept with each block
+            per_block += self.feature_width * elem
         context = PagedSpec(
             per_block,
             self.extra_tokens_per_request,
-            self.context_lookahead,
             limits_prefix_hits=True,
+            group_type=ContextGroup,
             entry_type=ContextState,
         )
         return DrafterCacheSpec(paged=(context,))
 
     def bind_caches(self, caches: DrafterCaches) -> None:
         (group,) = caches.paged
-        self.group: PagedGroup[ContextState] = group
+        self.group: ContextGroup = group
         self.blocks = group.blocks
         self.states = group.entries  # request id -> its context (the coordinator frees it with the request)
         shape = (group.blocks.num_blocks, group.block_size, self.layout.num_kv_heads, self.layout.head_dim)
@@ -113,6 +164,9 @@ class HiddenStateDrafter(Drafter):
             KVCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(self.layout.num_layers)
         ]
+        group.caches, group.reads_next_token = self.caches, self.reads_next_token
+        if self.reads_next_token:
+            group.last_features = torch.zeros(group.blocks.num_blocks, self.feature_width, dtype=self.dtype)
 
     @staticmethod
     def load(spec: SpeculativeConfig, target: TargetContext, config_type: type):
