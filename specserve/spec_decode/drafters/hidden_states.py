@@ -87,8 +87,12 @@ class ContextGroup(PagedGroup[ContextState]):
 
     def hit(self, token_ids: Seq[int], max_tokens: int) -> list[int]:
         blocks = super().hit(token_ids, max_tokens)
-        if blocks and self.reads_next_token and not self.blocks.num_free_blocks:
-            return blocks[:-1]  # no block to copy the last one into
+        if (
+            blocks
+            and self.reads_next_token
+            and not self.blocks.can_admit(blocks, (len(blocks) + 1) * self.block_size)
+        ):
+            return blocks[:-1]  # no free block to copy the last one into
         return blocks
 
     def attach(self, request_id: str, token_ids: Seq[int], num_tokens: int) -> None:
