@@ -103,4 +103,4 @@ def test_stop_string_cuts_text_and_holds_back_a_possible_prefix():
         s.output_token_ids.append(ord(ch))
         if (stop := detok.update(s)) is not None:
             break
-    assert stop == "END" and s.output_text == "hello "
+    assert stop == "END" and s.output.text == "hello "

@@ -4,6 +4,8 @@ sampling made of each piece (`PieceResult`), and the state operations that commi
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -54,13 +56,15 @@ class ScheduledPiece:
         return range(max(self.start, len(seq.prompt_logprobs)), end)
 
 
+def row_offsets(lengths: Iterable[int]) -> list[int]:
+    """Where each run of consecutive rows of a flat batch begins, then the total: [0, l0, l0 + l1, ...].
+    Every row offset of a step is computed here."""
+    return [0, *itertools.accumulate(lengths)]
+
+
 def verify_row_starts(num_drafts: Seq[int]) -> list[int]:
     """The first of each request's k + 1 consecutive verify rows (its anchor, then one row per draft)."""
-    starts, row = [], 0
-    for k in num_drafts:
-        starts.append(row)
-        row += k + 1
-    return starts
+    return row_offsets(k + 1 for k in num_drafts)[:-1]
 
 
 class StepLayout:
@@ -72,9 +76,7 @@ class StepLayout:
     def __init__(self, pieces: Seq[ScheduledPiece]):
         self.num_tokens = [p.num_tokens for p in pieces]
         self.num_drafts = [p.num_drafts for p in pieces]
-        self.query_start = [0]
-        for p in pieces:
-            self.query_start.append(self.query_start[-1] + p.num_query_tokens)
+        self.query_start = row_offsets(p.num_query_tokens for p in pieces)
         self.sampled = [i for i, p in enumerate(pieces) if p.reaches_end]
         self.logit_start = dict(
             zip(self.sampled, verify_row_starts([self.num_drafts[i] for i in self.sampled]))

@@ -12,17 +12,17 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def update(self, seq: Sequence) -> str | None:
-        """Refresh `seq.output_text`; return the stop string found in the new text, if any.
+        """Refresh `seq.output.text`; return the stop string found in the new text, if any.
 
         On a stop string the text is cut just before it (the string itself is not returned to users).
         """
         if self.tokenizer is None:
             return None
-        old_len = len(seq.output_text)
+        old_len = len(seq.output.text)
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         # A multi-byte character split across tokens decodes as U+FFFD until its last byte arrives.
         text = text.rstrip(_INCOMPLETE_UTF8)
-        seq.output_text = text
+        seq.output.text = text
         stops = seq.params.stop
         if not stops:
             return None
@@ -31,13 +31,14 @@ class Detokenizer:
         if not hits:
             return None
         index, stop = min(hits)
-        seq.output_text = text[:index]
+        seq.output.text = text[:index]
         return stop
 
     @staticmethod
     def emittable_text(seq: Sequence) -> str:
         """Text safe to stream: while running, hold back a tail that could still begin a stop string."""
+        text = seq.output.text
         if seq.is_finished or not seq.params.stop:
-            return seq.output_text
+            return text
         hold = max(len(s) for s in seq.params.stop) - 1
-        return seq.output_text[: max(0, len(seq.output_text) - hold)]
+        return text[: max(0, len(text) - hold)]

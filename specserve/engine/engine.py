@@ -23,7 +23,7 @@ from specserve.core.spec_stats import SpecStats
 from specserve.engine.input_processor import InputProcessor, PromptType
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
-from specserve.engine.sampling import StepSampler, logprob_steps
+from specserve.engine.sampling import StepSampler
 from specserve.engine.scheduler import Scheduler
 from specserve.models.generation_config import eos_token_ids
 from specserve.models.loader import load_model, resolve_model
@@ -205,10 +205,6 @@ class LLMEngine:
         batch = self.scheduler.schedule(plan.drafts if plan is not None else None)
         if not batch.pieces:
             return []
-        now = time.monotonic()
-        for piece in batch.pieces:
-            if piece.seq.metrics.first_scheduled_time is None:
-                piece.seq.metrics.first_scheduled_time = now
         layout = StepLayout(batch.pieces)
         start = time.perf_counter()
         forward = self.runner.forward(
@@ -224,7 +220,7 @@ class LLMEngine:
         results = self.sampler(batch.pieces, layout, forward.logits)
         verify_s = time.perf_counter() - start
         if forward.prompt_scores is not None:
-            self._add_prompt_logprobs(batch.pieces, layout, forward.prompt_scores)
+            self.output_processor.add_prompt_logprobs(batch.pieces, layout, forward.prompt_scores)
         updates, emitted = [], [0] * len(results)
         for i, (piece, result) in enumerate(zip(batch.pieces, results)):
             if result is not None:
@@ -250,17 +246,8 @@ class LLMEngine:
             return None
         rows, targets = [], []
         for i, piece_rows in layout.prompt_rows.items():
-            position = pieces[i].start + piece_rows.start - layout.query_start[i]  # of the piece's first row
+            scored = pieces[i].prompt_positions_to_score  # the positions of rows `piece_rows`
             rows += piece_rows
-            targets += pieces[i].seq.prompt_token_ids[position + 1 : position + 1 + len(piece_rows)]
+            targets += pieces[i].seq.prompt_token_ids[scored.start + 1 : scored.stop + 1]
         num_top = max(pieces[i].seq.params.prompt_logprobs for i in layout.prompt_rows)
         return PromptScoring(rows, targets, num_top)
-
-    @staticmethod
-    def _add_prompt_logprobs(pieces: list[ScheduledPiece], layout: StepLayout, scored) -> None:
-        """Each scored row's step joins its sequence's `prompt_logprobs`, in order."""
-        at = 0
-        for i, piece_rows in layout.prompt_rows.items():
-            seq, scored_rows = pieces[i].seq, range(at, at + len(piece_rows))
-            seq.prompt_logprobs += logprob_steps(scored, scored_rows, seq.params.prompt_logprobs)
-            at += len(piece_rows)

@@ -15,6 +15,7 @@ leave the batch with their caches freed. All cache questions go to the cache coo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -85,6 +86,7 @@ class Scheduler:
             self.waiting.popleft()
             out.restores += caches.admit(seq.request_id, seq.all_token_ids, cached)
             if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens = num_cached
             caches.grow(seq.request_id, num_cached + n)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.batch import row_offsets
 from specserve.core.cache_coordinator import CacheLayout, DrafterCacheSpec
 from specserve.core.cache_groups import StateCopy
 from specserve.layers.attention import KVCache
@@ -111,13 +112,8 @@ class ModelRunner:
         `restores`: state copies to make first (prefix hits starting from a kept state); `scoring`: prompt
         rows to score from the forward's hidden states."""
         self.copy_states(restores)
-        tokens: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        for p in pieces:
-            tokens += p.token_ids
-            positions += range(p.start, p.start + len(p.token_ids))
-            query_start.append(len(tokens))
+        tokens = [t for p in pieces for t in p.token_ids]
+        positions = [i for p in pieces for i in range(p.start, p.start + len(p.token_ids))]
         pos = torch.tensor(positions, dtype=torch.long)
         slots, checkpoints = None, None
         if self.model.has_recurrent_state:
@@ -125,7 +121,7 @@ class ModelRunner:
             if any(p.checkpoint for p in pieces):
                 checkpoints = StateCheckpoints([i for i, p in enumerate(pieces) if p.checkpoint])
         meta = ForwardMetadata.build(
-            query_start=query_start,
+            query_start=row_offsets(len(p.token_ids) for p in pieces),
             context_lens=[p.start + len(p.token_ids) for p in pieces],
             block_tables=[p.block_table for p in pieces],
             positions=pos,

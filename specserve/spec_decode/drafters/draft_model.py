@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.core.batch import row_offsets
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec, StateCopy
 from specserve.core.proposal import DraftProposal, KeepDrafting
@@ -141,8 +142,8 @@ class DraftModelDrafter(Drafter):
                 slot = self._slot(seqs[i], drafting=not first)
                 pieces.append(PieceInput(new, len(states[i].fed), states[i].block_table, slot))
                 states[i].fed = tokens
-            rows = torch.tensor([len(p.token_ids) for p in pieces]).cumsum(0) - 1
-            logits = self.runner.forward(pieces, rows.tolist()).logits
+            rows = [end - 1 for end in row_offsets(len(p.token_ids) for p in pieces)[1:]]  # newest each
+            logits = self.runner.forward(pieces, rows).logits
             if self.slots is not None and first:  # the drafts go on from a copy of the committed state
                 for i in active:
                     states[i].num_committed = len(states[i].fed)

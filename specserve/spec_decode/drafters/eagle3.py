@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpeculativeConfig
+from specserve.core.batch import row_offsets
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
 from specserve.spec_decode.context import TargetContext
@@ -75,7 +76,7 @@ class Eagle3Drafter(HiddenStateDrafter):
         batch = self.paged_batch(states, owner, pos, lens, pos, causal=True)
         self.group.keep_last_features(batch.kv_slots, pos, features)
         out = self.model(tokens, self.model.project_context(features), batch)
-        hidden = out[torch.tensor(lens).cumsum(0) - 1]  # each request's newest row
+        hidden = out[[end - 1 for end in row_offsets(lens)[1:]]]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows, peak_rows = [], []
         for step in range(num_tokens):

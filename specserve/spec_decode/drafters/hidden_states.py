@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.core.batch import row_offsets
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
 from specserve.core.sequence import Sequence
@@ -230,7 +231,7 @@ class HiddenStateDrafter(Drafter):
             kv_pos=kv_pos,
             kv_slots=slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size),
             meta=ForwardMetadata.build(
-                query_start=[0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                query_start=row_offsets(query_lens),
                 context_lens=(last + 1).tolist(),
                 block_tables=[st.block_table for st in states],
                 positions=query_pos,
