@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.core.cache_groups import PagedEntry
 from specserve.spec_decode.cost_profile import CostProfile, cache_path
 from specserve.spec_decode.planner import DSparkPlanner, FixedPlanner
 from specserve.spec_decode.profiler import MAX_TARGET_POINTS, CostProfiler, coarse_grid
@@ -78,7 +79,8 @@ def test_serving_starts_with_fixed_k_and_takes_the_policy_once_measured(
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "verify_policy": "dspark"}
     llm = LLM(target, max_model_len=256, max_num_seqs=4, speculative_config=spec)
     speculator = llm.engine.speculator
-    assert isinstance(speculator.planner, FixedPlanner) and speculator.profiler.drafter_done
+    assert isinstance(speculator.planner, FixedPlanner) and not speculator.profiler.steps  # nothing yet
+    assert not speculator.profiler.draft_s and speculator.profiler.catch_up_s is None
     assert not cache_path(speculator.profile_key()).exists()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     assert speculator.profiler is None and isinstance(speculator.planner, DSparkPlanner)
@@ -90,3 +92,19 @@ def test_serving_starts_with_fixed_k_and_takes_the_policy_once_measured(
     # the next engine finds it cached: the policy from its first step
     again = LLM(target, max_model_len=256, max_num_seqs=4, speculative_config=spec).engine.speculator
     assert again.profiler is None and again.planner.profile.batch_tokens == profile.batch_tokens
+
+
+def test_a_drafter_point_waits_for_room_and_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    target, draft = str(tiny_model_dir("qwen3")), str(tiny_model_dir("qwen2"))
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "verify_policy": "dspark"}
+    engine = LLM(target, max_model_len=256, max_num_seqs=4, speculative_config=spec).engine
+    profiler, (group,) = engine.speculator.profiler, engine.caches.drafter.paged
+    free = group.blocks.num_free_blocks
+    hog = PagedEntry()  # what the engine's own requests might hold: all but a few blocks
+    group.blocks.grow(hog, (free - 3) * group.block_size)
+    assert not profiler.advance() and profiler.catch_up_s is None  # the 256-token prompt needs more
+    group.blocks.free(hog)
+    assert profiler.advance() and profiler.catch_up_s is not None
+    assert profiler.advance() and list(profiler.draft_s) == [1]
+    assert group.blocks.num_free_blocks == free and not group.entries  # the fake requests are gone

@@ -166,6 +166,15 @@ class DrafterCaches:
         if self.records is not None:
             self.records.free(request_id)
 
+    def has_room(self, num_requests: int, num_tokens: int) -> bool:
+        """Whether `num_requests` more requests of `num_tokens` rows each fit in every group now (each
+        paged group's blocks with one to spare a request, and a state slot each)."""
+        paged = all(
+            num_requests * (-(-num_tokens // g.block_size) + 1) <= g.blocks.num_free_blocks
+            for g in self.paged
+        )
+        return paged and all(len(g.free_slots) >= num_requests for g in self.states)
+
 
 def _extra_blocks(spec: PagedSpec, block_size: int) -> int:
     """Blocks a running request's drafted rows may take beyond its target blocks (a partial block too)."""

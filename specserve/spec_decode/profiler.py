@@ -9,10 +9,12 @@ its neighbours by more than `BEND` (where T(B) bends from flat to linear). Draft
 grid four times apart in requests, on short prompts (a round's cost hardly depends on the context); what a
 backlog token costs the drafter, once, on one longer prompt.
 
-`CostProfiler` measures one point per `advance()`: the drafter's points before serving (its caches must be
-free), the target's between engine steps while the engine serves with a fixed k (`Speculator`), or all at
-once (`measure`, for `specserve profile`). The target's timed steps borrow free capacity from the cache
-coordinator, as a request would: KV blocks, and a hybrid target's state slot. Progress goes to stderr.
+`CostProfiler` measures one point per `advance()`: between engine steps while the engine serves with a fixed
+k (`Speculator`), or all at once (`measure`, for `specserve profile`, with a progress bar). Timing borrows
+free capacity from the cache coordinator, as a request would, and waits while there is none: the target's
+steps hold KV blocks and a hybrid target's state slot until the last target point; a drafter point's fake
+requests hold room in the drafter's caches only within the `advance` that times them, so that nothing of
+theirs is left when the engine's requests grow.
 """
 
 from __future__ import annotations
@@ -122,8 +124,10 @@ class CostProfiler:
 
     # ---- progress -----------------------------------------------------------------------------------------
     def announce(self, while_serving: bool) -> None:
+        """Say what is measured and why; all at once (`while_serving` False) with a progress bar."""
         meanwhile = (
-            "; until it is done every request verifies all its drafts (verify_policy 'fixed')"
+            ", between the engine's steps; until it is done every request verifies all its drafts "
+            "(verify_policy 'fixed')"
             if while_serving
             else ""
         )
@@ -132,8 +136,9 @@ class CostProfiler:
             f"drafting rounds at {len(self.draft_points)} request counts, target steps at ~"
             f"{len(self.pending) * 2 - 1} batch sizes up to {self.max_tokens} tokens{meanwhile}"
         )
-        total = len(self.draft_points) + 1 + len(self.pending)
-        self.bar = tqdm(total=total, desc="cost profile", unit="point")
+        if not while_serving:
+            total = len(self.draft_points) + 1 + len(self.pending)
+            self.bar = tqdm(total=total, desc="cost profile", unit="point")
 
     def close_progress(self) -> None:
         if self.bar is not None:
@@ -156,11 +161,10 @@ class CostProfiler:
     # ---- measuring ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def advance(self) -> bool:
-        """Measure the next point (the drafter's first); False when it must wait (no free KV blocks, or no
-        free state slot, for the target's timed steps now). Call while `not done`."""
+        """Measure the next point (the drafter's first); False when it must wait for room in the caches.
+        Call while `not done`."""
         if not self.drafter_done:
-            self._measure_drafter_point()
-            return True
+            return self._measure_drafter_point()
         if self.scratch is None and not self._take_scratch():
             return False
         b = self.pending.pop(0)
@@ -181,7 +185,7 @@ class CostProfiler:
         """Every point now (before the engine serves anything)."""
         while not self.done:
             if not self.advance():
-                raise RuntimeError("no free KV blocks or state slot to profile the target with")
+                raise RuntimeError("the caches have no room to profile with")
         return self.profile()
 
     def profile(self) -> CostProfile:
@@ -243,25 +247,27 @@ class CostProfiler:
             self.bar.total = self.bar.n + len(self.last_probes)
         return list(self.last_probes)
 
-    def _measure_drafter_point(self) -> None:
-        vocab = self.target.vocab_size
-        if self.catch_up_s is None:  # what a backlog token costs: one long prompt against a usual round
-            (seq,) = fake_requests(1, CATCH_UP_PROMPT, vocab)
-            try:
-                primed = prime_drafter(self.drafter, [seq], self.num_draft_tokens)
-                round_s = time_draft_round(self.drafter, [seq], self.num_draft_tokens)
-            finally:
-                self.caches.drafter.free(seq.request_id)
-            self.catch_up_s = max(primed - round_s, 0.0) / (CATCH_UP_PROMPT - ACCEPTED_PER_ROUND)
-            self._tick(f"catch-up {self.catch_up_s * 1e3:.2f} ms/token")
-            return
-        r = self.draft_points[len(self.draft_s)]
-        seqs = fake_requests(r, DRAFT_PROMPT, vocab)
+    def _measure_drafter_point(self) -> bool:
+        """The next drafter point, if the drafter's caches have room for its fake requests now."""
+        catch_up = self.catch_up_s is None  # what a backlog token costs: one long prompt against a round
+        r, prompt = (1, CATCH_UP_PROMPT) if catch_up else (self.draft_points[len(self.draft_s)], DRAFT_PROMPT)
+        rows = prompt + (REPEATS + 1) * ACCEPTED_PER_ROUND + self.num_draft_tokens
+        if not self.caches.drafter.has_room(r, rows):
+            return False
+        seqs = fake_requests(r, prompt, self.target.vocab_size)
         try:
-            prime_drafter(self.drafter, seqs, self.num_draft_tokens)
-            rounds = [time_draft_round(self.drafter, seqs, self.num_draft_tokens) for _ in range(REPEATS)]
+            primed = prime_drafter(self.drafter, seqs, self.num_draft_tokens)
+            rounds = [
+                time_draft_round(self.drafter, seqs, self.num_draft_tokens)
+                for _ in range(1 if catch_up else REPEATS)
+            ]
         finally:
             for seq in seqs:
                 self.caches.drafter.free(seq.request_id)
-        self.draft_s[r] = sorted(rounds)[REPEATS // 2]
-        self._tick(f"drafting {r} requests {self.draft_s[r] * 1e3:.0f} ms")
+        if catch_up:
+            self.catch_up_s = max(primed - rounds[0], 0.0) / (CATCH_UP_PROMPT - ACCEPTED_PER_ROUND)
+            self._tick(f"catch-up {self.catch_up_s * 1e3:.2f} ms/token")
+        else:
+            self.draft_s[r] = sorted(rounds)[len(rounds) // 2]
+            self._tick(f"drafting {r} requests {self.draft_s[r] * 1e3:.0f} ms")
+        return True

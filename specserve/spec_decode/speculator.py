@@ -71,8 +71,8 @@ class Speculator:
     def bind(self, runner: ModelRunner, caches: CacheCoordinator) -> None:
         """The drafter's caches (`caches.drafter`), and the verify planner. The scheduled policies' cost
         profile: the configured file, else the one cached for this model / dtype / threads / drafter, else
-        measured on the target's `runner` and `caches`: the drafter's points at once, the target's one per
-        step while every request verifies all its drafts (the `fixed` policy), which pays at low load."""
+        measured on the target's `runner` and `caches`, one point between steps while every request verifies
+        all its drafts (the `fixed` policy, which pays at low load)."""
         self.drafter.bind_caches(caches.drafter)
         self.drafter.bind_target(caches.kv, runner.kv_caches)
         config = self.config
@@ -84,9 +84,6 @@ class Speculator:
             if profile is None:
                 self.profiler = CostProfiler(self.target, runner, caches, self.drafter, self.num_draft_tokens)
                 self.profiler.announce(while_serving=True)
-                while not self.profiler.drafter_done:
-                    self.profiler.advance()
-                self.profiler.close_progress()  # the rest goes on between steps, in silence
         self.planner = self._planner(profile) if self.profiler is None else FixedPlanner()
 
     @property
