@@ -284,6 +284,21 @@ def hybrid_dir(tmp_path_factory):
     return str(save_tiny_mtp(save_tiny_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))))
 
 
+def hybrid_engines(hybrid_dir, speculative_config) -> dict[bool, LLM]:
+    """The hybrid target with prefix caching (True) and without (False)."""
+    return {
+        on: LLM(
+            hybrid_dir,
+            max_model_len=256,
+            block_size=BLOCK,
+            state_checkpoint_interval=4 * BLOCK,
+            enable_prefix_caching=on,
+            speculative_config=speculative_config,
+        )
+        for on in (True, False)
+    }
+
+
 @pytest.mark.parametrize("method", ["plain", "ngram", "draft_model", "dspark", "mtp"])
 def test_hybrid_outputs_with_caching_equal_outputs_without(method, hybrid_dir, tiny_model_dir, tmp_path):
     spec = {
@@ -301,17 +316,7 @@ def test_hybrid_outputs_with_caching_equal_outputs_without(method, hybrid_dir, t
         "mtp": lambda: {"method": "mtp", "num_speculative_tokens": 2},
     }[method]()
     requests, params = conversation(), sampling(5, 0.0)
-    engines = {
-        on: LLM(
-            hybrid_dir,
-            max_model_len=256,
-            block_size=BLOCK,
-            state_checkpoint_interval=4 * BLOCK,
-            enable_prefix_caching=on,
-            speculative_config=spec,
-        )
-        for on in (True, False)
-    }
+    engines = hybrid_engines(hybrid_dir, spec)
     cached, uncached = (serve_one_by_one(engines[on], requests, params) for on in (True, False))
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
     hits = [o.num_cached_tokens for o in cached]
@@ -340,17 +345,7 @@ def test_drafters_that_read_the_next_token_hit_a_prefix_ending_at_a_block_whole(
     prefix = prefix[: len(prefix) // 16 * 16]
     requests = [prefix + [5, 6, 7], prefix + [8, 9], prefix + [10]]
     params = sampling(3, 0.0)
-    engines = {
-        on: LLM(
-            hybrid_dir,
-            max_model_len=256,
-            block_size=BLOCK,
-            state_checkpoint_interval=4 * BLOCK,
-            enable_prefix_caching=on,
-            speculative_config=spec,
-        )
-        for on in (True, False)
-    }
+    engines = hybrid_engines(hybrid_dir, spec)
     cached, uncached = (serve_one_by_one(engines[on], requests, params) for on in (True, False))
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
     assert [o.num_cached_tokens for o in cached] == [0, len(prefix), len(prefix)]
