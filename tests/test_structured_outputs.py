@@ -13,6 +13,7 @@ import transformers
 
 from specserve import LLM, SamplingParams, SpecserveError
 from specserve.config import StructuredOutputsParams
+from specserve.core.batch import PieceResult
 from specserve.structured.grammar import GrammarCompiler
 from specserve.structured.masks import allowed_tokens
 from specserve.structured.schema import admits_a_value, embed, json_size
@@ -374,3 +375,15 @@ def test_a_tokenizer_llguidance_refuses_fails_constrained_requests_only(chat_dir
     for _ in range(2):
         with pytest.raises(SpecserveError, match="not available with this model's tokenizer .*vocab size"):
             compiler.compile(StructuredOutputsParams(regex="a"))
+
+
+def test_a_token_the_matcher_refuses_ends_the_request_with_the_matchers_reason(chat_dir):
+    llm = LLM(chat_dir, max_model_len=64)
+    grammar = llm.engine.grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    seq = llm.engine.make_sequence([1, 2], SamplingParams(max_tokens=4))
+    seq.grammar = grammar
+    (z,) = llm.engine.tokenizer.encode("z", add_special_tokens=False)
+    _, update = llm.engine.output_processor.append(seq, PieceResult([z]))
+    assert update.finished and update.outputs[0].finish_reason == "error"
+    assert update.error.startswith(f"token {z} broke the request's output constraint (Parser Error: token")
+    assert "satisfy the grammar" in update.error and "non-verbose" not in update.error

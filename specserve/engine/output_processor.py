@@ -47,8 +47,9 @@ class OutputProcessor:
         if logprobs is not None:
             out.logprobs.append(logprobs)
         if seq.grammar is not None and not seq.grammar.accept(token):
-            # The sampler masks every row with the grammar, so this is a bug, never a user's error.
-            out.error = f"token {token} broke the request's output constraint"
+            # The sampler masks every row with the grammar: the matcher failed (one of its per-step limits),
+            # or the engine has a bug; never the user's error.
+            out.error = f"token {token} broke the request's output constraint ({seq.grammar.error})"
             seq.finish("error")
             return
         stop = self.detokenizer.update(seq)

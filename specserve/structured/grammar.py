@@ -267,5 +267,10 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         return self.matcher.consume_token(token)
 
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a token it refused, one of its per-step limits), if it did."""
+        return compiler_error(self.matcher.get_error()) if self.matcher.is_error() else None
+
     def _mask(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
