@@ -163,9 +163,13 @@ class CostProfiler:
     def advance(self) -> bool:
         """Measure the next point (the drafter's first); False when it must wait for room in the caches.
         Call while `not done`."""
+        # The target's room is taken first, while there is some (the engine's first step): a hybrid target's
+        # state slots go to requests as soon as they run, and stay theirs until they finish.
+        if self.scratch is None and self.pending:
+            self._take_scratch()
         if not self.drafter_done:
             return self._measure_drafter_point()
-        if self.scratch is None and not self._take_scratch():
+        if self.scratch is None:
             return False
         b = self.pending.pop(0)
         self.steps[b] = self._time_target(b)
