@@ -20,6 +20,7 @@ from specserve.spec_decode.planner import (
     ranked_candidates,
 )
 from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
+from tests.test_profiler import serve_until_profiled
 
 # Appendix A: SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45; target (0.7, 0.3) over tokens {A=0, B=1}; the
 # drafter samples uniformly; c1 = 1 and c2 = 1 if x1 = A else 0 (c2 depends on the sampled x1).
@@ -347,7 +348,9 @@ def test_engine_start_measures_the_cost_profile_once_and_caches_it(tiny_model_di
     target = str(tiny_model_dir("qwen3"))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "verify_policy": "dspark"}
     llm = LLM(target, max_model_len=128, speculative_config=spec)
-    llm.generate([[7, 8, 9] * 5], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    serve_until_profiled(
+        llm, [[7, 8, 9] * 5], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    )
     measured = llm.engine.speculator.planner.profile  # measured between the steps, then the policy's
     (table,) = tmp_path.glob("profiles/*.json")
     assert table.with_suffix(".png").is_file()
