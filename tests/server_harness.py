@@ -162,7 +162,9 @@ def serve_process(model_dir, log_path: Path, *flags: str) -> Iterator[tuple[subp
         assert server.poll() is None, log_path.read_text()
         try:
             return httpx.get(f"{url}/health").status_code == 200
-        except httpx.ConnectError:
+        except httpx.TransportError:
+            # Not listening yet: refused, or reset (seen once while a tensor-parallel server loaded). The
+            # server's own failures show in poll() above and in the timeout.
             return False
 
     try:
