@@ -393,30 +393,14 @@ def _speculators_reference(kind: str, raw: dict, directory: Path, target):
     return model
 
 
-@pytest.mark.parametrize("kind, sample_from_anchor", [("dspark", True), ("dspark", False), ("dflash", False)])
-def test_block_drafter_logits_match_the_speculators_package(
-    kind, sample_from_anchor, tiny_model_dir, tmp_path, monkeypatch
-):
-    """Reference check (runs where the `speculators` package imports): speculators' own DFlash / DSpark
-    classes, saved by its save_pretrained, load in specserve and give the same draft logits (<= 1e-4),
-    Markov bias included, over blocks at fixed anchors of a packed sequence."""
-    target_dir = tiny_model_dir("qwen3")
-    target, target_config, _ = load_model(str(target_dir))
-    raw = speculators_config(
-        target_config, kind, tokens=4 if sample_from_anchor else 3, sample_from_anchor=sample_from_anchor
-    )
-    if kind == "dspark":
-        raw["markov_head_type"] = "rnn"
-    reference = _speculators_reference(kind, raw, tmp_path, target)
-    from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
-
-    ours = load_draft_checkpoint(str(tmp_path), target, target_config)
+def _blocks_against_reference(reference, ours, monkeypatch, seed: int):
+    """Both drafters' backbones over blocks at fixed anchors of one random 14-token packed sequence: its
+    ids, the anchors, the reference's hidden states and logits, and ours' hidden states."""
     seq_len, anchors = 14, [2, 5, 9]
-    core = __import__(f"speculators.models.{kind}.core", fromlist=["x"])
     dflash_core = __import__("speculators.models.dflash.core", fromlist=["x"])
     fixed = (torch.tensor(anchors), torch.ones(len(anchors), dtype=torch.bool))
     monkeypatch.setattr(dflash_core, "select_anchors", lambda *args: fixed)
-    g = torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(seed)
     width = len(ours.config.target_layer_ids) * ours.config.hidden_size
     features = torch.randn(1, seq_len, width, generator=g)
     ids = torch.randint(3, 250, (1, seq_len), generator=g)
@@ -435,6 +419,31 @@ def test_block_drafter_logits_match_the_speculators_package(
             [[ids[0, a].item()] + [ours.config.mask_token_id] * (block - 1) for a in anchors]
         )
         h = ours.backbone(ours.embed(block_ids.flatten()), ours.project_context(features[0]), batch)
+    return ids, anchors, hidden, logits, h
+
+
+@pytest.mark.parametrize("kind, sample_from_anchor", [("dspark", True), ("dspark", False), ("dflash", False)])
+def test_block_drafter_logits_match_the_speculators_package(
+    kind, sample_from_anchor, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Reference check (runs where the `speculators` package imports): speculators' own DFlash / DSpark
+    classes, saved by its save_pretrained, load in specserve and give the same draft logits (<= 1e-4),
+    Markov bias included, over blocks at fixed anchors of a packed sequence."""
+    target_dir = tiny_model_dir("qwen3")
+    target, target_config, _ = load_model(str(target_dir))
+    raw = speculators_config(
+        target_config, kind, tokens=4 if sample_from_anchor else 3, sample_from_anchor=sample_from_anchor
+    )
+    if kind == "dspark":
+        raw["markov_head_type"] = "rnn"
+    reference = _speculators_reference(kind, raw, tmp_path, target)
+    from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
+
+    ours = load_draft_checkpoint(str(tmp_path), target, target_config)
+    core = __import__(f"speculators.models.{kind}.core", fromlist=["x"])
+    ids, anchors, hidden, logits, h = _blocks_against_reference(reference, ours, monkeypatch, seed=6)
+    block = ours.config.block_size
+    with torch.no_grad():
         mine = ours.compute_logits(h)
         torch.testing.assert_close(mine, logits[0].float(), atol=1e-4, rtol=1e-4)
         if kind == "dspark":
@@ -512,29 +521,9 @@ def test_dflash2_logits_match_the_speculators_package(tiny_model_dir, tmp_path, 
     from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
 
     ours = load_draft_checkpoint(str(tmp_path), target, target_config)
-    seq_len, anchors = 14, [2, 5, 9]
-    dflash_core = __import__("speculators.models.dflash.core", fromlist=["x"])
-    fixed = (torch.tensor(anchors), torch.ones(len(anchors), dtype=torch.bool))
-    monkeypatch.setattr(dflash_core, "select_anchors", lambda *args: fixed)
-    g = torch.Generator().manual_seed(9)
-    width = len(ours.config.target_layer_ids) * ours.config.hidden_size
-    features = torch.randn(1, seq_len, width, generator=g)
-    ids = torch.randint(3, 250, (1, seq_len), generator=g)
+    ids, anchors, hidden, logits, h = _blocks_against_reference(reference, ours, monkeypatch, seed=9)
+    block = ours.config.block_size
     with torch.no_grad():
-        hidden, logits, *_ = reference._backbone_forward(
-            features,
-            ids,
-            torch.ones(1, seq_len),
-            torch.randn(1, seq_len, ours.config.hidden_size),
-            torch.zeros(1, seq_len, dtype=torch.long),
-            max_anchors=len(anchors),
-        )
-        block = ours.config.block_size
-        batch = dense_block_batch([seq_len], [anchors], block)
-        block_ids = torch.tensor(
-            [[ids[0, a].item()] + [ours.config.mask_token_id] * (block - 1) for a in anchors]
-        )
-        h = ours.backbone(ours.embed(block_ids.flatten()), ours.project_context(features[0]), batch)
         unary = ours.compute_logits(h)
         torch.testing.assert_close(unary, logits[0].float(), atol=1e-4, rtol=1e-4)
         prev = ids[0, torch.tensor(anchors)[:, None] + torch.arange(block)]
