@@ -328,3 +328,17 @@ def test_metrics_expose_the_live_calibration_ece():
     text = ServerMetrics(lambda: EngineSnapshot(calibration_ece=[0.125, 0.25])).exposition().decode()
     assert 'specserve:spec_decode_calibration_ece{position="0"} 0.125' in text
     assert 'specserve:spec_decode_calibration_ece{position="1"} 0.25' in text
+
+
+def test_a_ruled_out_tokens_logprob_is_finite_json():
+    import json
+
+    from specserve.server.logprobs import MIN_LOGPROB, TokenText, chat_logprobs, completion_logprobs
+
+    steps = [{5: -0.1, 6: float("-inf")}, {6: float("-inf"), 5: -0.2}]
+    chat = chat_logprobs(TokenText(None), [5, 6], steps, 2).model_dump_json()
+    completion = completion_logprobs(TokenText(None), [5, 6], steps, 2, 0).model_dump(mode="json")
+    assert "inf" not in chat.lower() and json.loads(chat)["content"][1]["logprob"] == MIN_LOGPROB
+    assert completion["token_logprobs"] == [-0.1, MIN_LOGPROB]
+    assert completion["top_logprobs"][0]["token_id:6"] == MIN_LOGPROB
+    json.dumps(completion, allow_nan=False)

@@ -12,6 +12,12 @@ from __future__ import annotations
 from specserve.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 Step = dict[int, float]
+# JSON has no -inf: a token the request rules out (its constraint, top-k / top-p) reads this, as in vLLM.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(step: Step, token_id: int) -> float:
+    return max(step[token_id], MIN_LOGPROB)
 
 
 class TokenText:
@@ -28,7 +34,10 @@ class TokenText:
 
 
 def _top(step: Step, k: int) -> list[tuple[int, float]]:
-    return sorted(step.items(), key=lambda item: item[1], reverse=True)[:k]
+    return [
+        (t, max(lp, MIN_LOGPROB))
+        for t, lp in sorted(step.items(), key=lambda item: item[1], reverse=True)[:k]
+    ]
 
 
 def chat_logprobs(text_of: TokenText, token_ids: list[int], steps: list[Step], k: int) -> ChatLogprobs:
@@ -39,7 +48,7 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], steps: list[Step], k
     return ChatLogprobs(
         content=[
             TokenLogprob(
-                **entry(token, step[token]),
+                **entry(token, _logprob(step, token)),
                 top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in _top(step, k)],
             )
             for token, step in zip(token_ids, steps)
@@ -67,11 +76,11 @@ def completion_logprobs(
         top: dict[str, float] = {}
         for token_id, logprob in _top(step, k):
             top.setdefault(text_of(token_id), logprob)  # two ids may decode alike: keep the likelier
-        top.setdefault(text_of(token), step[token])
+        top.setdefault(text_of(token), _logprob(step, token))
         top_logprobs.append(top)
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[None if step is None else step[t] for t, step in zip(token_ids, steps)],
+        token_logprobs=[None if step is None else _logprob(step, t) for t, step in zip(token_ids, steps)],
         top_logprobs=top_logprobs,
         text_offset=offsets,
     )
