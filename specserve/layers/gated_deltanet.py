@@ -23,11 +23,17 @@ prefix. When asked (`StateCheckpoints`), each layer keeps the piece's pre-piece 
 d_v] one dominates: 1 MiB at Qwen3.5-0.8B shapes), its conv inputs and, per token, the key, decay and delta
 of the state's rank-1 update; `GatedDeltaNet.rollback` replays the kept prefix's updates (two elementwise
 passes a token, no matmul), which gives bitwise the state the forward held there.
+
+Backends: the delta-rule core (the recurrence, its chunked form, the rollback replay) is the one part that
+differs by device, so each layer holds a `DeltaRule` chosen by the platform (`use_delta_rule`): "torch"
+(this module's, every device, the CPU's default) or "fla" (flash-linear-attention's Triton kernels,
+`gdn_fla.py`, for CUDA). Projections, conv, gates, norm and the conv state's rollback are shared.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +90,13 @@ class StateRecord:
     conv: torch.Tensor  # [C, conv_dim, K - 1] conv state before the piece
     ssm: torch.Tensor  # [C, heads, d_k, d_v] delta-rule state before the piece
     mixed: torch.Tensor  # [C, T, conv_dim] conv inputs (the qkv projection)
+    updates: Any  # what the layer's DeltaRule keeps to replay the pieces' tokens
+
+
+@dataclass
+class RankOneUpdates:
+    """TorchDeltaRule's record of the checkpointed pieces' tokens ([C, T, ...], padded)."""
+
     k: torch.Tensor  # [C, T, heads, d_k] post-conv, normalised, one per value head
     decay: torch.Tensor  # [C, T, heads] exp(g)
     deltas: torch.Tensor  # [C, T, heads, d_v] the recurrence's rank-1 updates
@@ -97,9 +110,14 @@ class PieceRows:
     rows: torch.Tensor  # [G, T]
     valid: torch.Tensor  # [G, T]
     lengths: list[int]
+    flat: torch.Tensor  # [sum of lengths] the same rows back to back, unpadded (varlen kernels)
+    cu_seqlens: torch.Tensor  # [G + 1] where each piece starts in `flat`
+    cu_seqlens_host: torch.Tensor  # the same on the CPU (a kernel that plans chunks reads it there)
 
     @classmethod
-    def build(cls, pieces: list[int], query_start: list[int], pad_to: int = 1) -> PieceRows | None:
+    def build(
+        cls, pieces: list[int], query_start: list[int], device: torch.device, pad_to: int = 1
+    ) -> PieceRows | None:
         if not pieces:
             return None
         starts = torch.tensor([query_start[p] for p in pieces])
@@ -108,12 +126,22 @@ class PieceRows:
         offsets = torch.arange(width)
         valid = offsets[None, :] < lengths[:, None]
         rows = torch.where(valid, starts[:, None] + offsets, 0)
-        return cls(torch.tensor(pieces), rows, valid, lengths.tolist())
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+        return cls(
+            pieces=torch.tensor(pieces, device=device),
+            rows=rows.to(device),
+            valid=valid.to(device),
+            lengths=lengths.tolist(),
+            flat=rows[valid].to(device),
+            cu_seqlens=cu_seqlens.to(device),
+            cu_seqlens_host=cu_seqlens,
+        )
 
 
 @dataclass
 class RecurrentLayout:
-    """Index tensors every linear-attention layer of one forward shares (built once per forward).
+    """Index tensors every linear-attention layer of one forward shares (built once per forward, on the
+    device of the forward's tensors).
 
     The conv runs over a buffer holding, per piece, its K-1 state rows then its tokens: the taps of a token
     are the K buffer rows ending at its own.
@@ -133,7 +161,7 @@ class RecurrentLayout:
     def build(cls, meta: ForwardMetadata, kernel_size: int) -> RecurrentLayout:
         if meta.state_slots is None:
             raise ValueError("a model with linear-attention layers needs ForwardMetadata.state_slots")
-        qs = meta.query_start
+        qs, device = meta.query_start, meta.positions.device
         num_pieces, w = len(qs) - 1, kernel_size - 1
         lengths = [qs[p + 1] - qs[p] for p in range(num_pieces)]
         starts, ends = torch.tensor(qs[:-1]), torch.tensor(qs[1:])
@@ -145,15 +173,15 @@ class RecurrentLayout:
         if any(lengths[p] > RECURRENT_MAX_LEN for p in checkpointed):
             raise ValueError(f"a piece whose state may be rolled back has at most {RECURRENT_MAX_LEN} tokens")
         return cls(
-            slots=meta.state_slots.long(),
-            fresh=meta.positions[starts] == 0,
+            slots=meta.state_slots.long().to(device),
+            fresh=meta.positions[starts.to(device)] == 0,
             buffer_len=qs[-1] + num_pieces * w,
-            token_rows=torch.arange(qs[-1]) + (piece_of_token + 1) * w,
-            state_rows=(starts + shift)[:, None] + torch.arange(w),
-            end_rows=(ends + shift)[:, None] + torch.arange(w),
-            short=PieceRows.build(short, qs),
-            long=PieceRows.build(long, qs, pad_to=CHUNK),
-            checkpointed=PieceRows.build(checkpointed, qs),
+            token_rows=(torch.arange(qs[-1]) + (piece_of_token + 1) * w).to(device),
+            state_rows=((starts + shift)[:, None] + torch.arange(w)).to(device),
+            end_rows=((ends + shift)[:, None] + torch.arange(w)).to(device),
+            short=PieceRows.build(short, qs, device),
+            long=PieceRows.build(long, qs, device, pad_to=CHUNK),
+            checkpointed=PieceRows.build(checkpointed, qs, device),
         )
 
 
@@ -238,13 +266,116 @@ def chunked_delta_rule(
     return state, out.reshape(b, h, t, -1).transpose(1, 2)
 
 
-def _of_pieces(x: torch.Tensor, pieces: torch.Tensor) -> torch.Tensor:
-    """x's rows of these pieces; x itself when they are all of its rows (a 1 MiB copy a layer saved)."""
-    return x if len(pieces) == len(x) else x[pieces]
+def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index], index ascending; x itself when it is all of x's rows (a copy saved: 1 MiB a layer for
+    the states of a batch of pieces)."""
+    return x if len(index) == len(x) else x[index]
 
 
 def _zero_past_end(valid: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
     return [torch.where(valid.view(*valid.shape, *([1] * (x.dim() - 2))), x, 0) for x in xs]
+
+
+def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key heads [N, key heads, d] to `heads` value heads: each serves heads / key heads consecutive ones."""
+    r = heads // x.shape[-2]
+    return x.repeat_interleave(r, dim=-2) if r > 1 else x
+
+
+@dataclass
+class DeltaRuleInputs:
+    """One forward's per-token inputs of the delta rule, fp32, in flat batch order."""
+
+    q: torch.Tensor  # [N, key heads, d_k] L2-normalised, scaled by d_k^-0.5
+    k: torch.Tensor  # [N, key heads, d_k] L2-normalised
+    v: torch.Tensor  # [N, heads, d_v]
+    g: torch.Tensor  # [N, heads] log decay (<= 0)
+    decay: torch.Tensor  # [N, heads] exp(g)
+    beta: torch.Tensor  # [N, heads] write strength (post-sigmoid)
+
+
+class DeltaRule(Protocol):
+    """The delta-rule core of a GatedDeltaNet layer: the part that has a backend per device."""
+
+    def forward(
+        self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """Every piece from its state before the forward (ssm0 [P, heads, d_k, d_v]): returns the output
+        [N, heads, d_v] and, with `keep`, what `replay` needs of layout.checkpointed's tokens; writes
+        each piece's state after it to its slot of `pool` [slots, heads, d_k, d_v]."""
+        ...
+
+    def replay(self, pool: torch.Tensor, record: StateRecord, keeps: dict[int, int]) -> None:
+        """Set the slot of each record piece i in `keeps` to its state after its first keeps[i] tokens."""
+        ...
+
+
+class TorchDeltaRule:
+    """The delta rule in torch ops (runs anywhere; the CPU's): short pieces token by token, long ones in
+    the chunked form, a rollback by replaying the kept rank-1 updates (the module docstring says why)."""
+
+    def forward(
+        self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
+    ) -> tuple[torch.Tensor, RankOneUpdates | None]:
+        heads = x.v.shape[1]
+        q, k = repeat_heads(x.q, heads), repeat_heads(x.k, heads)
+        out, updates = x.v.new_empty(x.v.shape), None
+        if layout.short is not None:
+            rows, valid, pieces = layout.short.rows, layout.short.valid, layout.short.pieces
+            s, o, deltas = recurrent_delta_rule(
+                rows_of(ssm0, pieces), q[rows], k[rows], x.v[rows], x.decay[rows], x.beta[rows], valid
+            )
+            out[rows[valid]] = o[valid]
+            pool.index_copy_(0, layout.slots[pieces], s)
+            if keep:
+                updates = self._updates(layout, k, x.decay, deltas)
+        if layout.long is not None:
+            rows, valid, pieces = layout.long.rows, layout.long.valid, layout.long.pieces
+            ks, vs, gs, bs = _zero_past_end(valid, k[rows], x.v[rows], x.g[rows], x.beta[rows])
+            s, o = chunked_delta_rule(rows_of(ssm0, pieces), q[rows], ks, vs, gs, bs)
+            out[rows[valid]] = o[valid]
+            pool.index_copy_(0, layout.slots[pieces], s)
+        return out, updates
+
+    @staticmethod
+    def _updates(layout, k, decay, deltas) -> RankOneUpdates:
+        """The checkpointed pieces' keys, decays and deltas (all of them are short pieces)."""
+        kept = layout.checkpointed
+        short_index = {p: i for i, p in enumerate(layout.short.pieces.tolist())}
+        which = torch.tensor([short_index[p] for p in kept.pieces.tolist()], device=deltas.device)
+        return RankOneUpdates(
+            k=k[kept.rows], decay=decay[kept.rows], deltas=deltas[which, : kept.rows.shape[1]]
+        )
+
+    def replay(self, pool: torch.Tensor, record: StateRecord, keeps: dict[int, int]) -> None:
+        u = record.updates
+        for i, kept in keeps.items():
+            ssm = pool[int(record.slots[i])]
+            ssm.copy_(record.ssm[i])
+            replay_delta_rule(ssm, u.k[i, :kept], u.deltas[i, :kept], u.decay[i, :kept])
+
+
+DELTA_RULES = ("torch", "fla")
+
+
+def delta_rule_backend(name: str) -> DeltaRule:
+    """The delta-rule backend called `name`: "torch" (any device) or "fla" (Triton kernels, CUDA)."""
+    if name == "torch":
+        return TorchDeltaRule()
+    if name == "fla":
+        from specserve.layers.gdn_fla import FlaDeltaRule  # fla-core is optional: imported when chosen
+
+        return FlaDeltaRule()
+    raise ValueError(f"unknown Gated DeltaNet backend {name!r}; known: {', '.join(DELTA_RULES)}")
+
+
+def use_delta_rule(model: nn.Module, name: str) -> int:
+    """Run the delta rule of every GatedDeltaNet layer in `model` on backend `name`; returns how many."""
+    backend = delta_rule_backend(name)
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    for layer in layers:
+        layer.delta_rule = backend
+    return len(layers)
 
 
 class GatedDeltaNet(nn.Module):
@@ -253,6 +384,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx  # the key of this layer's StateRecord
+        self.delta_rule: DeltaRule = TorchDeltaRule()  # the platform may choose another (use_delta_rule)
         hidden = config.hidden_size
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -308,42 +440,23 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(n, self.num_v_heads, -1).float()
         g, decay, beta = self._gates(x)
 
-        q, k = self._repeat_heads(q), self._repeat_heads(k)
-        out = v.new_empty(n, self.num_v_heads, self.head_v_dim)
-        if layout.short is not None:
-            rows, valid, pieces = layout.short.rows, layout.short.valid, layout.short.pieces
-            s, o, deltas = recurrent_delta_rule(
-                _of_pieces(ssm0, pieces), q[rows], k[rows], v[rows], decay[rows], beta[rows], valid
+        keep = layout.checkpointed is not None and checkpoints is not None
+        out, updates = self.delta_rule.forward(
+            DeltaRuleInputs(q, k, v, g, decay, beta), ssm0, layout, state.ssm, keep
+        )
+        if keep:
+            kept = layout.checkpointed
+            checkpoints.layers[self.layer_idx] = StateRecord(
+                slots=layout.slots[kept.pieces],
+                lengths=kept.lengths,
+                conv=conv0[kept.pieces],
+                ssm=ssm0[kept.pieces],
+                mixed=mixed[kept.rows],
+                updates=updates,
             )
-            out[rows[valid]] = o[valid]
-            state.ssm.index_copy_(0, layout.slots[pieces], s)
-            if layout.checkpointed is not None and checkpoints is not None:
-                self._keep(checkpoints, layout, mixed, k, decay, conv0, ssm0, deltas)
-        if layout.long is not None:
-            rows, valid, pieces = layout.long.rows, layout.long.valid, layout.long.pieces
-            ks, vs, gs, bs = _zero_past_end(valid, k[rows], v[rows], g[rows], beta[rows])
-            s, o = chunked_delta_rule(_of_pieces(ssm0, pieces), q[rows], ks, vs, gs, bs)
-            out[rows[valid]] = o[valid]
-            state.ssm.index_copy_(0, layout.slots[pieces], s)
 
         z = self.in_proj_z(x).view(n, self.num_v_heads, -1)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
-
-    def _keep(self, checkpoints, layout, mixed, k, decay, conv0, ssm0, deltas) -> None:
-        """Record what rolling back the checkpointed pieces needs (all of them are short pieces)."""
-        kept = layout.checkpointed
-        short_index = {p: i for i, p in enumerate(layout.short.pieces.tolist())}
-        which = torch.tensor([short_index[p] for p in kept.pieces.tolist()])
-        checkpoints.layers[self.layer_idx] = StateRecord(
-            slots=layout.slots[kept.pieces],
-            lengths=kept.lengths,
-            conv=conv0[kept.pieces],
-            ssm=ssm0[kept.pieces],
-            mixed=mixed[kept.rows],
-            k=k[kept.rows],
-            decay=decay[kept.rows],
-            deltas=deltas[which, : kept.rows.shape[1]],
-        )
 
     def _conv(self, buffer: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + activation of every token, a tap at a time (elementwise: exact per row)."""
@@ -360,11 +473,6 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.double().exp() * F.softplus(a + self.dt_bias.double())
         return g.float(), g.exp().float(), self.in_proj_b(x).double().sigmoid().float()
 
-    def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """Key heads to value heads: each serves num_v_heads / num_k_heads consecutive ones."""
-        r = self.num_v_heads // self.num_k_heads
-        return x.repeat_interleave(r, dim=-2) if r > 1 else x
-
     def rollback(self, checkpoints: StateCheckpoints, state: RecurrentState, keep: dict[int, int]) -> None:
         """Rewrite each checkpointed piece's slot to the state after its first keep[p] tokens."""
         record = checkpoints.layers.get(self.layer_idx)
@@ -376,13 +484,10 @@ class GatedDeltaNet(nn.Module):
             if not 1 <= kept <= length:
                 raise ValueError(f"piece {p}: keep must be in 1..{length}, got {kept}")
             keeps.append(kept)
-        for i, kept in enumerate(keeps):
-            if kept == record.lengths[i]:
-                continue
-            slot = int(record.slots[i])
+        rolled = {i: kept for i, kept in enumerate(keeps) if kept < record.lengths[i]}
+        for i, kept in rolled.items():
             # conv: the last K-1 inputs of [state before the piece, kept tokens]
             inputs = torch.cat((record.conv[i].T, record.mixed[i, :kept]))
-            state.conv[slot] = inputs[kept:].T
-            ssm = state.ssm[slot]
-            ssm.copy_(record.ssm[i])
-            replay_delta_rule(ssm, record.k[i, :kept], record.deltas[i, :kept], record.decay[i, :kept])
+            state.conv[int(record.slots[i])] = inputs[kept:].T
+        if rolled:
+            self.delta_rule.replay(state.ssm, record, rolled)
