@@ -9,6 +9,11 @@ from tests.tiny_models import save_tiny_model
 torch.set_num_threads(2)
 # dtype="auto" is bf16 on CPUs with native bf16; the suite's references are fp32 (servers it starts too).
 os.environ.setdefault("SPECSERVE_AUTO_DTYPE", "float32")
+# Without CUDA, Triton kernels run on CPU tensors in Triton's interpreter. Triton reads TRITON_INTERPRET when
+# @triton.jit decorates a function, its own tl.* helpers included, so when triton is first imported; test
+# modules import it at collection (transformers -> torch._dynamo), so it is set here, before any of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Build (or load) the compiled kernels now, under the real cache directory: tests that point
 # SPECSERVE_CACHE at a temporary one would otherwise build them there. SPECSERVE_NO_KERNELS=1 skips it.
 kernels.load_ops()
