@@ -36,9 +36,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N (docs/cuda.md)",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bf16 where the CPU has native bf16, else fp32) | float32 | bfloat16 | float16",
+        help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | float32 | bfloat16 | float16",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context, capped at 8192"
@@ -80,6 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(**engine_kwargs(args))` from the flags of `add_engine_args`."""
     return dict(
         model=args.model,
+        device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,

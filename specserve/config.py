@@ -220,7 +220,8 @@ class EngineConfig:
     """Engine settings. `max_model_len=None` takes the model's context length, capped at 8192."""
 
     model: str
-    dtype: str = "auto"  # bf16 where the CPU has native bf16 and weights are not quantized (auto_dtype.py)
+    # auto: bf16 on CUDA, and on a CPU with native bf16 when weights are not quantized (auto_dtype.py)
+    dtype: str = "auto"
     max_model_len: int | None = None
     kv_cache_memory: int | str = "2GiB"
     block_size: int = 16
@@ -235,9 +236,19 @@ class EngineConfig:
     state_checkpoint_interval: int = 256
     # Processes the target model is split over (tensor parallelism, specserve/parallel/); 1: no split.
     tensor_parallel_size: int = 1
+    # "auto" (CUDA when torch sees a GPU, else the CPU) | "cpu" | "cuda" | "cuda:N" (specserve/platform.py)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
+        _check_quantization(self.quantization)
+        _check(
+            isinstance(self.tensor_parallel_size, int)
+            and not isinstance(self.tensor_parallel_size, bool)
+            and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        self._choose_platform()
         _check(
             str(self.dtype).lower() in _DTYPES,
             f"dtype must be one of {sorted(set(_DTYPES.values()))}, got {self.dtype!r}",
@@ -245,9 +256,7 @@ class EngineConfig:
         self.dtype = _DTYPES[str(self.dtype).lower()]
         self.dtype_reason = "asked for"
         if self.dtype == "auto":
-            from specserve.auto_dtype import auto_dtype
-
-            pinned, why = auto_dtype(self.quantization)
+            pinned, why = self.platform.auto_dtype(self.quantization)
             self.dtype = _DTYPES.get(pinned.lower(), "auto")
             _check(self.dtype != "auto", f"{why}: unknown dtype {pinned!r}")
             self.dtype_reason = f"auto: {why}"
@@ -266,7 +275,6 @@ class EngineConfig:
             "max_num_batched_tokens must be >= 1",
         )
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check_quantization(self.quantization)
         _check(
             isinstance(self.enable_prefix_caching, bool),
             f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
@@ -278,11 +286,23 @@ class EngineConfig:
             f"state_checkpoint_interval must be a positive multiple of block_size ({self.block_size}), "
             f"got {self.state_checkpoint_interval!r}",
         )
+
+    def _choose_platform(self) -> None:
+        """`platform` (specserve/platform.py) and why. "auto" takes CUDA where torch sees a GPU, unless the
+        settings ask for what runs on the CPU alone (int4 / int8 weights, tensor parallelism): then the CPU.
+        A device named outright that cannot run the settings is an error that says what to change."""
+        from specserve.platform import CPU, check_device, resolve_platform
+
+        self.platform = resolve_platform(self.device)
+        self.device_reason = "asked for" if check_device(self.device) != "auto" else "auto"
+        refused = self.platform.refusals(self.quantization, self.tensor_parallel_size)
+        if refused and self.device_reason == "auto":
+            self.platform, self.device_reason = CPU, f"auto: {' and '.join(refused)} run on the CPU only"
+            refused = []
         _check(
-            isinstance(self.tensor_parallel_size, int)
-            and not isinstance(self.tensor_parallel_size, bool)
-            and self.tensor_parallel_size >= 1,
-            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+            not refused,
+            f"{' and '.join(refused)} do(es) not run on {self.platform.device} yet: use device 'cpu' "
+            "(--device cpu) or drop it",
         )
 
     @property

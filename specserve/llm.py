@@ -32,13 +32,13 @@ def peak_memory_bytes() -> int:
 
 
 def loaded_line(engine: LLMEngine, seconds: float) -> str:
-    """What a load took and chose: time, the process's peak memory so far, dtype and why."""
+    """What a load took and chose: time, the process's peak memory so far, device, dtype and why."""
     config = engine.config
     quantized = f", {config.quantization} weights" if config.quantization else ""
     peak = peak_memory_bytes()
     return (
         f"loaded {config.model} in {seconds:.1f} s, peak memory {peak / 2**30:.1f} GiB{quantized}, "
-        f"{config.dtype} ({config.dtype_reason})"
+        f"{config.platform.device}, {config.dtype} ({config.dtype_reason})"
     )
 
 

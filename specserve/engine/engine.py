@@ -76,7 +76,7 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig, spec_config: SpeculativeConfig | None) -> None:
         load_args = {"model": str(self.model_dir), "dtype": config.torch_dtype}
-        load_args["quantization"] = config.quantization
+        load_args.update(quantization=config.quantization, platform=config.platform)
         if self.parallel is not None:
             self.parallel.load(**load_args)
         shard = self.parallel.shard if self.parallel is not None else None
@@ -85,7 +85,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = effective_max_model_len(config, self.model_config)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(config.platform.device).manual_seed(config.seed)
         self.speculator = Speculator(spec_config, self.target_context) if spec_config else None
         # One budget for every cache, the drafter's included.
         spec = self.speculator
@@ -112,7 +112,9 @@ class LLMEngine:
             self.runner = self.parallel.runner(self.model, *runner_args)
         else:
             self.runner = ModelRunner(self.model, *runner_args)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, config.platform.device
+        )
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.sampler = StepSampler(self.vocab_size, self.generator)

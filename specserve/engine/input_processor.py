@@ -9,15 +9,17 @@ import torch
 
 from specserve.config import SamplingParams, SpecserveError
 from specserve.core.sequence import Sequence
+from specserve.layers.sampler import make_generator
 
 PromptType = str | list[int] | Mapping[str, object]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, device: torch.device):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.device = device  # where a seeded request's generator draws: the logits' device
 
     def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
         """Token ids, and the text when the prompt was text."""
@@ -71,5 +73,5 @@ class InputProcessor:
             )
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = make_generator(params.seed, self.device) if params.seed is not None else None
         return Sequence(request_id, token_ids, params, max_tokens, prompt=text, generator=generator)

@@ -12,6 +12,7 @@ import torch
 from specserve.core.batch import PieceResult, ScheduledPiece, StepLayout, verify_row_starts
 from specserve.core.sequence import Sequence
 from specserve.layers.sampler import SampleOutput, SamplingBatch, add_logit_bias, raw_logprobs, sample
+from specserve.layers.transfer import to_device
 from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
 from specserve.structured.masks import mask_logits
 
@@ -74,9 +75,10 @@ class StepSampler:
             self.vocab_size,
             [s.generator for s in seqs],
             generator=self.generator,
+            device=logits.device,
         )
         wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-        out = sample(logits, batch, num_logprobs=max(wanted) if wanted else None)
+        out = sample(logits, batch, num_logprobs=max(wanted) if wanted else None).to_host()
         tokens = out.token_ids.tolist()
         return [
             PieceResult([token], 0, logprob_steps(out, [i], seq.params.logprobs))
@@ -94,6 +96,7 @@ class StepSampler:
             self.vocab_size,
             [s.generator for s in seqs],
             generator=self.generator,
+            device=logits.device,
         )
         out = rejection_sample(logits, batch, [d.token_ids for d in drafts], [d.probs for d in drafts])
         # A request's j-th new token was drawn from its j-th verify row; score those of requests that ask.
@@ -106,9 +109,9 @@ class StepSampler:
                 first[r] = len(rows)
                 rows += range(starts[r], starts[r] + len(out.token_ids[r]))
                 tokens += out.token_ids[r]
-            scored = raw_logprobs(
-                logits[rows], torch.tensor(tokens), max(seqs[r].params.logprobs for r in asking)
-            )
+            rows, tokens = to_device(logits.device, torch.tensor(rows), torch.tensor(tokens))
+            num_top = max(seqs[r].params.logprobs for r in asking)
+            scored = raw_logprobs(logits[rows], tokens, num_top).to_host()
         results = []
         for r, (seq, tokens) in enumerate(zip(seqs, out.token_ids)):
             rows = range(first[r], first[r] + len(tokens)) if r in first else []

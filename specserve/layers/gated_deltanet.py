@@ -61,11 +61,14 @@ class RecurrentStateSpec:
     head_k_dim: int
     head_v_dim: int
 
-    def allocate(self, num_slots: int, dtype: torch.dtype) -> RecurrentState:
-        """A pool of zeroed slots; the conv state is in the model dtype, the delta-rule state in fp32."""
+    def allocate(
+        self, num_slots: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> RecurrentState:
+        """A pool of zeroed slots; the conv state in the model dtype, the delta-rule state in fp32."""
+        ssm_shape = (num_slots, self.num_heads, self.head_k_dim, self.head_v_dim)
         return RecurrentState(
-            conv=torch.zeros(num_slots, self.conv_dim, self.kernel_size - 1, dtype=dtype),
-            ssm=torch.zeros(num_slots, self.num_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32),
+            conv=torch.zeros(num_slots, self.conv_dim, self.kernel_size - 1, dtype=dtype, device=device),
+            ssm=torch.zeros(ssm_shape, dtype=torch.float32, device=device),
         )
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:

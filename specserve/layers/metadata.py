@@ -8,10 +8,12 @@ plan, Gated DeltaNet its piece layout) once per forward, through `derived`, and 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
+
+from specserve.layers.transfer import to_device
 
 Plan = TypeVar("Plan")
 
@@ -83,6 +85,26 @@ class ForwardMetadata:
             state_slots=state_slots,
             checkpoints=checkpoints,
         )
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def to(self, device: torch.device, *extra: torch.Tensor) -> tuple[ForwardMetadata, list[torch.Tensor]]:
+        """This metadata with its tensors on `device`, with `extra` host int64 tensors, in one copy."""
+        tensors = [self.slot_mapping, self.tables, self.positions, *extra]
+        if self.state_slots is not None:
+            tensors.append(self.state_slots)
+        moved = to_device(device, *tensors)
+        meta = replace(
+            self,
+            slot_mapping=moved[0],
+            tables=moved[1],
+            positions=moved[2],
+            state_slots=moved[-1] if self.state_slots is not None else None,
+            _derived={},
+        )
+        return meta, moved[3 : 3 + len(extra)]
 
     @property
     def num_pieces(self) -> int:

@@ -123,6 +123,11 @@ class RotaryEmbedding(nn.Module):
         self._cached: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.on_kernel = kernels.ops() is not None  # fp32 rows then take rows.cpp's rotate_and_cache
 
+    def _apply(self, fn, recurse=True):
+        """The table follows the module's device (`model.to("cuda")`), never its dtype: it stays fp32."""
+        self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)
+        return super()._apply(fn, recurse)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [N, rot] with sin's first half negated: x rotated is x * cos + roll(x) * sin, and
         -x2 * s equals x2 * -s bitwise, so this is HF's rotate_half formula in three ops instead of six."""

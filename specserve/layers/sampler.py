@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specserve.config import SamplingParams
+from specserve.layers.transfer import to_host
 
 _NEG_INF = float("-inf")
 # Above this k, one full sort beats topk(k) + a masked logsumexp on typical hardware.
@@ -192,6 +193,12 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [M] fp32, raw log-prob of token_ids (when asked for)
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [M, n] int64, values [M, n] fp32)
 
+    def to_host(self) -> SampleOutput:
+        """This output on the host, in one transfer (`layers/transfer.py`): it is read row by row there."""
+        ids, values = self.top_logprobs or (None, None)
+        token_ids, logprobs, ids, values = to_host(self.token_ids, self.logprobs, ids, values)
+        return SampleOutput(token_ids, logprobs, None if ids is None else (ids, values))
+
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator for `SamplingParams.seed` (the engine keeps it across steps)."""
@@ -321,8 +328,11 @@ def processed_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
 
 def add_logit_bias(logits: torch.Tensor, rows: list[int], bias: dict[int, float]) -> None:
     """Adds a request's logit_bias (token id -> value) to rows `rows` of `logits`, in place."""
-    index = torch.tensor(rows)[:, None]
-    logits[index, torch.tensor(list(bias))] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+    on = {"device": logits.device}
+    index = torch.tensor(rows, **on)[:, None]
+    logits[index, torch.tensor(list(bias), **on)] += torch.tensor(
+        list(bias.values()), dtype=logits.dtype, **on
+    )
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:

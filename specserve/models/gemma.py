@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.layers.attention import KVCache, sdpa_paged_attention
+from specserve.layers.attention import AttentionBackend, KVCache, sdpa_paged_attention
 from specserve.layers.fusion import project
 from specserve.layers.linear import batch_invariant_linear
 from specserve.layers.metadata import ForwardMetadata
@@ -131,6 +131,7 @@ class GemmaAttention(nn.Module):
             self.k_norm = RMSNorm(d, **_norm_kwargs(config, gemma4))
             self.v_norm = RMSNorm(d, eps=config.rms_norm_eps, with_scale=False) if gemma4 else None
         self.rotary = RotaryEmbedding(*inverse_frequencies(plan.rope_config, d, plan.layer_type))
+        self.attention_backend: AttentionBackend = sdpa_paged_attention  # the platform may install another
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: ForwardMetadata, kv_caches: Sequence[KVCache]
@@ -148,7 +149,7 @@ class GemmaAttention(nn.Module):
             q = self.rotary.rotate_and_cache(positions, q, k, v, cache, attn.slot_mapping)
         else:  # the source layer already wrote this step's K/V earlier in the same forward
             (q,) = self.rotary(positions, self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)))
-        out = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window)
+        out = self.attention_backend(q, cache, attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -31,6 +31,7 @@ from specserve.models.sharding import (
     shard_config,
 )
 from specserve.models.weight_files import iter_checkpoint_tensors, safetensors_files
+from specserve.platform import CPU, Platform
 
 # What snapshot_download fetches: config, weights, tokenizer and chat template files, nothing else.
 HUB_ALLOW_PATTERNS = [
@@ -253,8 +254,10 @@ def load_model(
     revision: str | None = None,
     quantization: str | None = None,
     shard: Shard | None = None,
+    platform: Platform = CPU,
 ):
-    """Resolve `model`, build our implementation and load its weights: (model, config, tokenizer or None).
+    """Resolve `model`, build our implementation and load its weights, ready to run on `platform`:
+    (model, config, tokenizer or None).
 
     `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
     model converted from a GGUF file that is still present is then read from that file, its quantized
@@ -296,5 +299,5 @@ def load_model(
         finish_sharded_load(net, full_shapes, shard)
     net.eval()
     # quantized (everything not read quantized from a GGUF or the cache: a tied head, ...), cached, packed
-    prepare_model(net, quantization, cache)
+    prepare_model(net, quantization, cache, platform)
     return net, config, load_tokenizer(model_dir)

@@ -1,7 +1,8 @@
-"""Getting loaded weights ready to serve on this CPU, one recipe for every model (a target, a draft model, a
-DeepSpec drafter, an MTP layer): quantize what is asked (`layers/quant.py`), cache that form, fuse the
-projections of one input, pack the fp32 linears for oneDNN (`layers/linear.py`), move everything onto huge
-pages (`layers/huge_pages.py`).
+"""Getting loaded weights ready to serve, one recipe for every model (a target, a draft model, a DeepSpec
+drafter, an MTP layer): quantize what is asked (`layers/quant.py`), cache that form, fuse the projections of
+one input, then place the model on its platform (`platform.py`): on the CPU, pack the fp32 linears for
+oneDNN (`layers/linear.py`) and move everything onto huge pages (`layers/huge_pages.py`); on CUDA, move it
+to the GPU and install the GPU kernels into its layers.
 
 The cache. A quantized load is slow for what it computes, not for what it reads: from a GGUF, every
 block not in the kernel's format is dequantized and requantized in numpy (72 s for the 0.5B here, loaded
@@ -28,8 +29,6 @@ import torch
 from torch import nn
 
 from specserve.cache_dir import cache_root, file_lock
-from specserve.layers.huge_pages import place_on_huge_pages
-from specserve.layers.linear import pack_linears
 from specserve.layers.quant import (
     DEFAULT_GROUP_SIZE,
     Int4Linear,
@@ -39,6 +38,7 @@ from specserve.layers.quant import (
     replace_module,
 )
 from specserve.models.weight_files import iter_checkpoint_tensors
+from specserve.platform import CPU, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,13 @@ _LAYER_CLASSES = {"Int4Linear": Int4Linear, "Int8Linear": Int8Linear}
 
 
 def prepare_model(
-    model: nn.Module, quantization: str | None = None, cache: PreparedWeights | None = None
+    model: nn.Module,
+    quantization: str | None = None,
+    cache: PreparedWeights | None = None,
+    platform: Platform = CPU,
 ) -> nn.Module:
     """Quantize (every layer not quantized yet; "int8" | "int4" | None), save that form to `cache` if it has
-    none yet, fuse, pack and move onto huge pages; in place, returns `model`."""
+    none yet, fuse and place on `platform`; in place, returns `model`."""
     if quantization is not None:
         quantize_model(model, quantization, fuse=False)
         if cache is not None and not cache.exists():
@@ -63,9 +66,7 @@ def prepare_model(
             )
             cache.save(model)
     fuse_projections(model)
-    pack_linears(model)  # oneDNN packed weights on CPU fp32 (SPECSERVE_LINEAR=torch keeps nn.Linear)
-    place_on_huge_pages(model)
-    return model
+    return platform.place(model)
 
 
 def _code_fingerprint() -> str:

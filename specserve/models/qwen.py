@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from specserve.layers.attention import KVCache, sdpa_paged_attention
+from specserve.layers.attention import AttentionBackend, KVCache, sdpa_paged_attention
 from specserve.layers.fusion import project
 from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP
@@ -78,6 +78,7 @@ class QwenAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, **norm)
             self.k_norm = RMSNorm(self.head_dim, **norm)
         self.rotary = rotary  # one instance shared by every layer (it holds no parameters)
+        self.attention_backend: AttentionBackend = sdpa_paged_attention  # the platform may install another
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: ForwardMetadata, cache: KVCache
@@ -94,7 +95,7 @@ class QwenAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rotary.rotate_and_cache(positions, q, k, v, cache, attn.slot_mapping)
-        o = sdpa_paged_attention(q, cache, attn, self.scale, self.sliding_window).reshape(n, -1)
+        o = self.attention_backend(q, cache, attn, self.scale, self.sliding_window).reshape(n, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(o)

@@ -11,7 +11,7 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [R, W] -> bool [R, vocab_size]: which tokens each row allows (ids past the words: none)."""
-    bits = (bitmask[:, :, None] >> _BITS) & 1
+    bits = (bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1
     allowed = bits.view(bitmask.shape[0], -1).bool()
     if allowed.shape[1] >= vocab_size:
         return allowed[:, :vocab_size]
@@ -19,5 +19,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [R, V] with every token a row's mask disallows at -inf (a new tensor)."""
-    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))
+    """`logits` [R, V] with every token a row's mask disallows at -inf (a new tensor); the host-built mask
+    travels to the logits' device packed (32 tokens a word) and is unpacked there."""
+    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+    return logits.masked_fill(~allowed, float("-inf"))

@@ -42,11 +42,11 @@ class TTTDraftBatch(DenseDraftBatch):
 
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def attend(self, layer, q, k, v, scale):
+    def attend(self, layer, q, k, v, scale, backend):
         if layer in self.cache:
             k, v = torch.cat([self.cache[layer][0], k]), torch.cat([self.cache[layer][1], v])
         self.cache[layer] = (k, v)
-        return super().attend(layer, q, k, v, scale)
+        return super().attend(layer, q, k, v, scale, backend)
 
 
 def ttt_mask(rows: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:

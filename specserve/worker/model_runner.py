@@ -23,6 +23,7 @@ from specserve.layers.attention import KVCache
 from specserve.layers.gated_deltanet import RecurrentState, RecurrentStateSpec
 from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.sampler import SampleOutput, raw_logprobs
+from specserve.layers.transfer import to_device
 from specserve.models.base import CausalLM, LayerCacheSpec
 
 # Rows the LM head scores at once for prompt logprobs: a long prompt chunk never holds rows x vocab logits.
@@ -82,21 +83,26 @@ def cache_layout(
 
 
 class ModelRunner:
+    """Runs `model` where its weights live (`device`): its caches are allocated there, each step's inputs
+    built on the host and sent in one copy (`ForwardMetadata.to`)."""
+
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, num_state_slots: int = 0
     ):
         self.model = model
         self.block_size = block_size
+        self.device = next(model.parameters()).device
         self.kv_caches: list[KVCache | RecurrentState] = []
         for spec in model.cache_specs():
             if isinstance(spec, RecurrentStateSpec):
-                self.kv_caches.append(spec.allocate(num_state_slots, dtype))
+                self.kv_caches.append(spec.allocate(num_state_slots, dtype, self.device))
                 continue
             if spec.shared_with is not None:
                 self.kv_caches.append(self.kv_caches[spec.shared_with])
                 continue
             shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            self.kv_caches.append(KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)))
+            k, v = (torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
+            self.kv_caches.append(KVCache(k, v))
         self._checkpoints: StateCheckpoints | None = None  # the last forward's (hybrid models)
 
     @torch.inference_mode()
@@ -129,11 +135,14 @@ class ModelRunner:
             state_slots=slots,
             checkpoints=checkpoints,
         )
-        hidden, captured = self.model(
-            torch.tensor(tokens, dtype=torch.long), pos, meta, self.kv_caches, tuple(capture_layers)
+        meta, (tokens, logit_rows) = meta.to(
+            self.device,
+            torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(list(logit_rows), dtype=torch.long),
         )
+        hidden, captured = self.model(tokens, meta.positions, meta, self.kv_caches, tuple(capture_layers))
         self._checkpoints = checkpoints
-        logits = self.model.compute_logits(hidden[torch.tensor(list(logit_rows), dtype=torch.long)])
+        logits = self.model.compute_logits(hidden[logit_rows])
         scores = self._score(hidden, scoring.rows, scoring.token_ids, scoring.num_top) if scoring else None
         return ForwardOutput(logits=logits, hidden=hidden, captured=captured, prompt_scores=scores)
 
@@ -142,8 +151,11 @@ class ModelRunner:
         and each row's top `num_top`."""
         logprobs, top_ids, top_values = [], [], []
         for at in range(0, len(rows), SCORE_ROWS_PER_CALL):
-            index = torch.tensor(rows[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long)
-            tokens = torch.tensor(token_ids[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long)
+            index, tokens = to_device(
+                hidden.device,
+                torch.tensor(rows[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long),
+                torch.tensor(token_ids[at : at + SCORE_ROWS_PER_CALL], dtype=torch.long),
+            )
             scored = raw_logprobs(self.model.compute_logits(hidden[index]), tokens, num_top)
             logprobs.append(scored.logprobs)
             if num_top:
@@ -153,7 +165,7 @@ class ModelRunner:
             token_ids=torch.tensor(token_ids, dtype=torch.long),
             logprobs=torch.cat(logprobs),
             top_logprobs=(torch.cat(top_ids), torch.cat(top_values)) if num_top else None,
-        )
+        ).to_host()
 
     def copy_states(self, copies: Seq[StateCopy]) -> None:
         """Each copy's source slot's recurrent state into its destination slot, in every linear-attention

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.attention import KVCache, sdpa_paged_attention
+from specserve.layers.attention import AttentionBackend, KVCache, sdpa_paged_attention
 from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.norm import RMSNorm
@@ -83,6 +83,7 @@ class DraftAttention(nn.Module):
         gemma = config.family == "gemma4"
         self.v_norm = RMSNorm(geo.head_dim, b.rms_norm_eps, with_scale=False) if gemma else None
         self.rotary = rotary
+        self.attention_backend: AttentionBackend = sdpa_paged_attention  # the platform may install another
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, batch: DraftBatch) -> torch.Tensor:
         """x: normed query rows [m, in]; context: projected context rows [n, in] that give K/V only."""
@@ -97,7 +98,7 @@ class DraftAttention(nn.Module):
             v = self.v_norm(v)
         (q,) = self.rotary(batch.block_pos, q)
         (k,) = self.rotary(batch.kv_pos, k)
-        out = batch.attend(self.layer_idx, q, k, v, self.geometry.scale)
+        out = batch.attend(self.layer_idx, q, k, v, self.geometry.scale, self.attention_backend)
         return self.o_proj(out.flatten(1))
 
 
@@ -239,7 +240,8 @@ class DraftBatch:
     block_pos: torch.Tensor  # [m] absolute positions of the block rows (queries)
     kv_pos: torch.Tensor  # [n + m] positions of the K/V rows: context rows, then block rows
 
-    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale: float, backend: AttentionBackend) -> torch.Tensor:
+        """The block rows' attention output; `backend`: the paged-attention kernel of the platform."""
         raise NotImplementedError
 
 
@@ -257,10 +259,10 @@ class PagedDraftBatch(DraftBatch):
     meta: ForwardMetadata  # the block queries
     caches: list[KVCache]
 
-    def attend(self, layer, q, k, v, scale):
+    def attend(self, layer, q, k, v, scale, backend):
         cache = self.caches[layer]
         cache.write(self.kv_slots, k, v)
-        return sdpa_paged_attention(q, cache, self.meta, scale)
+        return backend(q, cache, self.meta, scale)
 
 
 @dataclass
@@ -271,7 +273,7 @@ class DenseDraftBatch(DraftBatch):
     kv_pos: torch.Tensor
     mask: torch.Tensor  # [m, n + m] bool: may block row i read K/V row j
 
-    def attend(self, layer, q, k, v, scale):
+    def attend(self, layer, q, k, v, scale, backend):  # dense, with its own mask: no paged kernel
         # Rows that may read nothing (dummy blocks) read K/V row 0 so that softmax stays finite.
         mask = self.mask | (~self.mask.any(-1, keepdim=True) & (torch.arange(self.mask.shape[1]) == 0))
         out = F.scaled_dot_product_attention(

@@ -1,0 +1,113 @@
+"""The device the engine runs on and what runs there, decided in one place.
+
+`resolve_platform(device)` turns the user's `device` ("auto": CUDA when torch sees a GPU, else the CPU;
+"cpu"; "cuda" or "cuda:N") into a `Platform` that the rest of the engine asks instead of testing the
+device itself: where tensors live, the dtype "auto" stands for, which kernels attend over the paged cache
+and run the Gated DeltaNet recurrence (`place` puts them into a model's layers), and what does not run
+there yet (`refusals`).
+
+On the CPU everything is as it always was: specserve's compiled kernels where they build (or torch's
+fallbacks). On CUDA, attention is specserve's Triton kernel (`layers/triton_attention.py`)
+and the recurrence flash-linear-attention's (`layers/gdn_fla.py`), both tested on the CPU under Triton's
+interpreter; the rest is device-generic torch (docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specserve.config import SPECULATIVE_METHODS, SpecserveError
+from specserve.layers.huge_pages import place_on_huge_pages
+from specserve.layers.linear import pack_linears
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(device: str) -> str:
+    """`device` normalised ("CUDA:0" -> "cuda:0"), or a SpecserveError naming the accepted forms."""
+    text = str(device).strip().lower()
+    if not DEVICE_PATTERN.fullmatch(text):
+        raise SpecserveError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class Platform:
+    device: torch.device
+    delta_rule: str  # "torch" (layers/gated_deltanet.py); "fla": flash-linear-attention's Triton kernels
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def speculative_methods(self) -> tuple[str, ...]:
+        """The drafters that run here (on CUDA: those whose every tensor follows the target's device)."""
+        return ("ngram",) if self.is_cuda else SPECULATIVE_METHODS
+
+    def auto_dtype(self, quantization: str | None) -> tuple[str, str]:
+        """(the dtype "auto" stands for here, why)."""
+        if self.is_cuda:
+            return "bfloat16", "CUDA computes in bf16"
+        from specserve.auto_dtype import auto_dtype
+
+        return auto_dtype(quantization)
+
+    def refusals(self, quantization: str | None, tensor_parallel_size: int) -> list[str]:
+        """What the engine was asked for that does not run on this device yet (empty: all of it runs)."""
+        if not self.is_cuda:
+            return []
+        refused = []
+        if quantization is not None:
+            refused.append(f"quantization {quantization!r}")  # specserve's int4 / int8 kernels are CPU code
+        if tensor_parallel_size > 1:
+            refused.append("tensor parallelism")  # its process groups are gloo's
+        return refused
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """`model` (loaded, quantized, fused) made ready to run here; in place, returns `model`. The CPU:
+        oneDNN-packed fp32 linears (SPECSERVE_LINEAR=torch keeps nn.Linear) on huge pages; the layers'
+        kernels are the CPU's by default. CUDA: the weights on the GPU, its kernels installed into every
+        layer that has a seam for them (an attention layer's `attention_backend`, a Gated DeltaNet layer's
+        `delta_rule`)."""
+        if not self.is_cuda:
+            pack_linears(model)
+            place_on_huge_pages(model)
+            return model
+        from specserve.layers.triton_attention import triton_paged_attention
+
+        model.to(self.device)
+        for module in model.modules():
+            if hasattr(module, "attention_backend"):
+                module.attention_backend = triton_paged_attention
+            if hasattr(module, "delta_rule"):
+                module.delta_rule = self.delta_rule
+        return model
+
+
+CPU = Platform(torch.device("cpu"), "torch")
+
+
+def resolve_platform(device: str = "auto") -> Platform:
+    """The platform of `device` (see `check_device`); a clear error when CUDA is asked for and absent."""
+    text = check_device(device)
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return CPU
+    if not torch.cuda.is_available():
+        why = "check nvidia-smi and CUDA_VISIBLE_DEVICES"
+        if torch.version.cuda is None:
+            why = f"torch {torch.__version__} is a build without CUDA"
+        raise SpecserveError(f"device {device!r}: torch sees no CUDA device ({why})")
+    index = int(text.partition(":")[2] or torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise SpecserveError(
+            f"device {device!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    return Platform(torch.device("cuda", index), "fla")

@@ -1,0 +1,133 @@
+"""The platform layer (specserve/platform.py): which device a `device` string means, what "auto" picks, what
+CUDA refuses, and that a forward keeps every tensor where the model lives (checked on torch's meta device,
+where any host tensor mixed into the computation raises, as it would on a GPU)."""
+
+import argparse
+
+import pytest
+import torch
+
+from specserve.cli_args import add_engine_args, engine_kwargs
+from specserve.config import EngineConfig, SpecserveError
+from specserve.layers.transfer import to_device, to_host
+from specserve.models.loader import load_model
+from specserve.platform import CPU, check_device, resolve_platform
+from specserve.worker.model_runner import ModelRunner, PieceInput
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """torch as it is on a machine with two CUDA devices (nothing is allocated on them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize(
+    "text, normal", [("auto", "auto"), ("CPU", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1")]
+)
+def test_device_strings_are_normalised(text, normal):
+    assert check_device(text) == normal
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda:", "cuda:x", "", "mps", "cpu:0"])
+def test_a_bad_device_string_names_the_accepted_forms(text):
+    with pytest.raises(SpecserveError, match="'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        check_device(text)
+
+
+def test_auto_is_the_cpu_without_a_gpu(no_gpu):
+    assert resolve_platform("auto") is CPU
+    assert EngineConfig(model="m", device="auto").platform is CPU
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(no_gpu):
+    with pytest.raises(SpecserveError, match="torch sees no CUDA device"):
+        resolve_platform("cuda")
+    with pytest.raises(SpecserveError, match="no CUDA device"):
+        EngineConfig(model="m", device="cuda:0")
+
+
+def test_auto_is_cuda_where_torch_sees_a_gpu(two_gpus):
+    platform = resolve_platform("auto")
+    assert platform.device == torch.device("cuda", 0) and platform.is_cuda
+    assert platform.delta_rule == "fla"
+    assert resolve_platform("cuda:1").device == torch.device("cuda", 1)
+    with pytest.raises(SpecserveError, match=r"2 CUDA device\(s\), cuda:0 to cuda:1"):
+        resolve_platform("cuda:2")
+
+
+def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
+    config = EngineConfig(model="m", device="cuda")
+    assert config.dtype == "bfloat16" and "CUDA" in config.dtype_reason
+    assert EngineConfig(model="m", device="cuda", dtype="float32").dtype == "float32"
+    with pytest.raises(SpecserveError, match=r"quantization 'int4' do\(es\) not run on cuda:0 yet"):
+        EngineConfig(model="m", device="cuda", quantization="int4")
+    with pytest.raises(SpecserveError, match=r"tensor parallelism .* \(--device cpu\)"):
+        EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
+
+
+def test_cuda_refuses_drafters_that_do_not_run_there_yet(two_gpus, tiny_model_dir):
+    from specserve.config import SpeculativeConfig
+    from specserve.preflight import check_before_loading
+
+    config = EngineConfig(model=str(tiny_model_dir("qwen3")), device="cuda")
+    check_before_loading(config, SpeculativeConfig(method="ngram"))
+    draft = SpeculativeConfig(method="draft_model", model=config.model)
+    with pytest.raises(SpecserveError, match=r"'draft_model' does not run on cuda:0 yet .*\(--device cpu\)"):
+        check_before_loading(config, draft)
+    check_before_loading(EngineConfig(model=config.model, device="cpu"), draft)
+
+
+def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):
+    config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
+    assert config.platform is CPU
+    assert config.device_reason == "auto: quantization 'int8' and tensor parallelism run on the CPU only"
+
+
+def test_the_cpu_keeps_its_own_dtype_choice(no_gpu, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "float32")
+    config = EngineConfig(model="m", quantization="int4")
+    assert config.platform is CPU and config.dtype == "float32"
+
+
+def test_the_device_flag_reaches_the_engine():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--device", "cuda:1"]))["device"] == "cuda:1"
+    assert engine_kwargs(parser.parse_args([]))["device"] == "auto"
+
+
+def test_host_device_transfers():
+    a, b = torch.arange(6).view(2, 3), torch.tensor([7])
+    assert all(x is y for x, y in zip(to_device(torch.device("cpu"), a, b), (a, b)))
+    moved = to_device(torch.device("meta"), a, b)  # one copy, viewed back into the shapes
+    assert [m.device.type for m in moved] == ["meta"] * 2 and [m.shape for m in moved] == [a.shape, b.shape]
+    assert to_host(a, None) == [a, None]
+
+
+def _meta_attention(q, cache, meta, scale, sliding_window=None, logit_softcap=None):
+    assert q.device == cache.k.device == meta.device == meta.tables.device == meta.slot_mapping.device
+    return q.new_empty(q.shape[0], q.shape[1], cache.v.shape[-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "gemma4"])
+def test_a_forward_keeps_every_tensor_on_the_models_device(tiny_model_dir, arch):
+    """The model on torch's meta device (shapes, no data): any tensor the runner or a layer builds on the host
+    and mixes into the computation raises, as it would beside a GPU model. Attention is a stand-in here
+    (the CPU plan reads its metadata on the host; on CUDA the Triton kernel is installed)."""
+    model, _, _ = load_model(str(tiny_model_dir(arch)))
+    model.to("meta")
+    for module in model.modules():
+        if hasattr(module, "attention_backend"):
+            module.attention_backend = _meta_attention
+    runner = ModelRunner(model, num_blocks=8, block_size=16, dtype=torch.float32)
+    assert runner.device.type == "meta" and all(c.k.device.type == "meta" for c in runner.kv_caches)
+    pieces = [PieceInput([1, 2, 3], 0, [0]), PieceInput([4, 5], 17, [1, 2])]
+    out = runner.forward(pieces, logit_rows=[2, 4])
+    assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (2, model.config.vocab_size)
