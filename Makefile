@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither" || true; }
 DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
-.PHONY: demo test test-no-kernels test-transformers-min lint install install-models
+.PHONY: demo test test-no-kernels test-transformers-min lint install install-models gpu-wheels gpu-check
 
 $(BIN)/python:
 	python3 -m venv $(VENV)
@@ -54,3 +54,14 @@ $(VENV_MIN)/.installed: pyproject.toml
 
 test-transformers-min: $(VENV_MIN)/.installed
 	$(VENV_MIN)/bin/python -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
+
+# The GPU tier and a short GPU benchmark, on a lent GPU machine over its own torch (docs/cuda.md).
+# `make gpu-wheels` here first: the wheels that machine lacks, into .whl/ (git-ignored), which the call carries.
+GPU_WHEELS := fla-core==0.6.0 einops==0.8.2 llguidance==1.9.1
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS) $(PIP_QUIET)
+
+gpu-check:
+	.ci/gpu-check

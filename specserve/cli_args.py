@@ -48,7 +48,18 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context, capped at 8192"
     )
-    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size, e.g. 512MiB or 2GiB")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="every cache's budget, e.g. 512MiB or 2GiB (default: 2GiB on the CPU; on CUDA what "
+        "--gpu-memory-utilization leaves after the weights and activations)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: the share of the GPU's memory the engine may use",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -89,6 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

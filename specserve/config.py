@@ -206,6 +206,7 @@ _DTYPES = {
 
 
 QUANTIZATION_MODES = ("int8", "int4")
+DEFAULT_CPU_CACHE_MEMORY = "2GiB"
 
 
 def _check_quantization(mode: str | None) -> None:
@@ -223,7 +224,9 @@ class EngineConfig:
     # auto: bf16 on CUDA, and on a CPU with native bf16 when weights are not quantized (auto_dtype.py)
     dtype: str = "auto"
     max_model_len: int | None = None
-    kv_cache_memory: int | str = "2GiB"
+    # Every cache's budget (KV, recurrent states, the drafter's). None: 2GiB on the CPU; on CUDA what
+    # gpu_memory_utilization leaves of the GPU after the weights and a forward's activation peak.
+    kv_cache_memory: int | str | None = None
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -238,6 +241,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "auto" (CUDA when torch sees a GPU, else the CPU) | "cpu" | "cuda" | "cuda:N" (specserve/platform.py)
     device: str = "auto"
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory this engine may use (vLLM's)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -264,7 +268,16 @@ class EngineConfig:
             self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
             f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",
         )
-        self.kv_cache_bytes = parse_memory(self.kv_cache_memory)
+        _check(
+            isinstance(self.gpu_memory_utilization, int | float)
+            and not isinstance(self.gpu_memory_utilization, bool)
+            and 0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        if self.kv_cache_memory is None and not self.platform.is_cuda:
+            self.kv_cache_memory = DEFAULT_CPU_CACHE_MEMORY
+        # None: measured once the model is on the GPU (`engine.device_cache_budget`)
+        self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
         _check(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size must be a power of 2 <= 128, got {self.block_size}",

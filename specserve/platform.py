@@ -14,6 +14,7 @@ interpreter; the rest is device-generic torch (docs/cuda.md).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from specserve.config import SPECULATIVE_METHODS, SpecserveError
 from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 
+AUTO_DEVICE_ENV = "SPECSERVE_AUTO_DEVICE"
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -47,7 +49,7 @@ class Platform:
     @property
     def speculative_methods(self) -> tuple[str, ...]:
         """The drafters that run here (on CUDA: those whose every tensor follows the target's device)."""
-        return ("ngram",) if self.is_cuda else SPECULATIVE_METHODS
+        return ("ngram", "draft_model") if self.is_cuda else SPECULATIVE_METHODS
 
     def auto_dtype(self, quantization: str | None) -> tuple[str, str]:
         """(the dtype "auto" stands for here, why)."""
@@ -93,8 +95,12 @@ CPU = Platform(torch.device("cpu"), "torch")
 
 
 def resolve_platform(device: str = "auto") -> Platform:
-    """The platform of `device` (see `check_device`); a clear error when CUDA is asked for and absent."""
+    """The platform of `device` (see `check_device`); a clear error when CUDA is asked for and absent.
+    SPECSERVE_AUTO_DEVICE names what "auto" means instead (the CPU suite pins "cpu" with it, so that its
+    bitwise references hold on a machine with a GPU too)."""
     text = check_device(device)
+    if text == "auto":
+        text = check_device(os.environ.get(AUTO_DEVICE_ENV, "auto"))
     if text == "auto":
         text = "cuda" if torch.cuda.is_available() else "cpu"
     if text == "cpu":

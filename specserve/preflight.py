@@ -79,16 +79,18 @@ def check_before_loading(config: EngineConfig, speculative_config: SpeculativeCo
     text = text_config_of(hf_config)
     max_model_len = effective_max_model_len(config, text)
     skeleton = _skeleton(shard_config(text, config.tensor_parallel_size), config.model)
-    # The target's share of the budget alone (a drafter's needs are known once it is loaded).
-    plan_cache_memory(
-        cache_layout(skeleton, config.block_size, config.torch_dtype),
-        config.kv_cache_bytes,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
-        budget_text=f"kv_cache_memory={config.kv_cache_memory!r}",
-    )
+    # The target's share of the budget alone (a drafter's needs are known once it is loaded; a GPU's
+    # budget once the weights are on it).
+    if config.kv_cache_bytes is not None:
+        plan_cache_memory(
+            cache_layout(skeleton, config.block_size, config.torch_dtype),
+            config.kv_cache_bytes,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            budget_text=f"kv_cache_memory={config.kv_cache_memory!r}",
+        )
     _check_quantization(skeleton, config.quantization, config.model)
     _check_drafter(speculative_config, target_files, text, skeleton, config)
 

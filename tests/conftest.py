@@ -9,6 +9,9 @@ from tests.tiny_models import save_tiny_model
 torch.set_num_threads(2)
 # dtype="auto" is bf16 on CPUs with native bf16; the suite's references are fp32 (servers it starts too).
 os.environ.setdefault("SPECSERVE_AUTO_DTYPE", "float32")
+# device="auto" would take a GPU where there is one; the suite's bitwise references are the CPU's (the GPU
+# tier, `pytest -m gpu`, names its device).
+os.environ.setdefault("SPECSERVE_AUTO_DEVICE", "cpu")
 # Without CUDA, Triton kernels run on CPU tensors in Triton's interpreter. Triton reads TRITON_INTERPRET when
 # @triton.jit decorates a function, its own tl.* helpers included, so when triton is first imported; test
 # modules import it at collection (transformers -> torch._dynamo), so it is set here, before any of them.

@@ -108,4 +108,4 @@ def test_switch_defaults_are_not_printed_as_values():
     no_transformers = spec_help[spec_help.index("--no-transformers  ") :].split("\n  --")[0]
     assert "skip transformers" in no_transformers
     generate_help = run_cli("generate", "--help")["out"]
-    assert "(default: 2GiB)" in generate_help  # values still show theirs
+    assert "(default: 0.9)" in generate_help  # values still show theirs (--gpu-memory-utilization)

@@ -3,6 +3,7 @@ CUDA refuses, and that a forward keeps every tensor where the model lives (check
 where any host tensor mixed into the computation raises, as it would on a GPU)."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from specserve.worker.model_runner import ModelRunner, PieceInput
 @pytest.fixture
 def two_gpus(monkeypatch):
     """torch as it is on a machine with two CUDA devices (nothing is allocated on them)."""
+    monkeypatch.delenv("SPECSERVE_AUTO_DEVICE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -25,6 +27,7 @@ def two_gpus(monkeypatch):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_AUTO_DEVICE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
@@ -53,13 +56,15 @@ def test_cuda_without_a_gpu_is_a_clear_error(no_gpu):
         EngineConfig(model="m", device="cuda:0")
 
 
-def test_auto_is_cuda_where_torch_sees_a_gpu(two_gpus):
+def test_auto_is_cuda_where_torch_sees_a_gpu(two_gpus, monkeypatch):
     platform = resolve_platform("auto")
     assert platform.device == torch.device("cuda", 0) and platform.is_cuda
     assert platform.delta_rule == "fla"
     assert resolve_platform("cuda:1").device == torch.device("cuda", 1)
     with pytest.raises(SpecserveError, match=r"2 CUDA device\(s\), cuda:0 to cuda:1"):
         resolve_platform("cuda:2")
+    monkeypatch.setenv("SPECSERVE_AUTO_DEVICE", "cpu")  # what the CPU suite pins
+    assert resolve_platform("auto") is CPU
 
 
 def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
@@ -78,16 +83,30 @@ def test_cuda_refuses_drafters_that_do_not_run_there_yet(two_gpus, tiny_model_di
 
     config = EngineConfig(model=str(tiny_model_dir("qwen3")), device="cuda")
     check_before_loading(config, SpeculativeConfig(method="ngram"))
-    draft = SpeculativeConfig(method="draft_model", model=config.model)
-    with pytest.raises(SpecserveError, match=r"'draft_model' does not run on cuda:0 yet .*\(--device cpu\)"):
-        check_before_loading(config, draft)
-    check_before_loading(EngineConfig(model=config.model, device="cpu"), draft)
+    check_before_loading(config, SpeculativeConfig(method="draft_model", model=config.model))
+    dspark = SpeculativeConfig(method="dspark", model=config.model)
+    with pytest.raises(SpecserveError, match=r"'dspark' does not run on cuda:0 yet .*\(--device cpu\)"):
+        check_before_loading(config, dspark)
 
 
 def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):
     config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
     assert config.platform is CPU
     assert config.device_reason == "auto: quantization 'int8' and tensor parallelism run on the CPU only"
+
+
+def test_the_caches_budget_is_measured_on_a_gpu_and_given_on_the_cpu(two_gpus):
+    from specserve.worker.device_memory import cache_budget_bytes
+
+    assert EngineConfig(model="m", device="cpu").kv_cache_bytes == 2 * 2**30  # the CPU's default
+    assert EngineConfig(model="m", device="cuda").kv_cache_bytes is None  # measured after loading
+    assert EngineConfig(model="m", device="cuda", kv_cache_memory="1GiB").kv_cache_bytes == 2**30
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(SpecserveError, match="gpu_memory_utilization must be in"):
+            EngineConfig(model="m", gpu_memory_utilization=bad)
+    # 80 GB at 0.9 leaves 72; 16 of weights and 6 of activations come first
+    assert cache_budget_bytes(80 * 10**9, 0.9, 16 * 10**9, 6 * 10**9) == 50 * 10**9
+    assert cache_budget_bytes(20 * 10**9, 0.9, 16 * 10**9, 6 * 10**9) == 0
 
 
 def test_the_cpu_keeps_its_own_dtype_choice(no_gpu, monkeypatch):
@@ -131,3 +150,16 @@ def test_a_forward_keeps_every_tensor_on_the_models_device(tiny_model_dir, arch)
     pieces = [PieceInput([1, 2, 3], 0, [0]), PieceInput([4, 5], 17, [1, 2])]
     out = runner.forward(pieces, logit_rows=[2, 4])
     assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (2, model.config.vocab_size)
+
+
+def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
+    """`python -m specserve.bench.gpu` on a tiny shape on the CPU: every figure it reports on a GPU."""
+    from specserve.bench.gpu import KS, main
+
+    argv = ["--device", "cpu", "--shape", "tiny", "--dtype", "float32", "--context", "40", "--repeats", "1"]
+    main([*argv, "--copy-bytes", "100000", "--new-tokens", "3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "gpu-bench.json").read_text())
+    assert set(map(int, result["verify_ratio"])) == set(KS) and result["verify_ratio"]["1"] == 1.0
+    assert result["decode_tokens_per_s"] > 0 and 0 < result["roofline_share"]
+    assert result["transformers_tokens_per_s"] > 0 and (tmp_path / "verify-cost.png").stat().st_size > 0
+    assert "T(k)/T(1)" in capsys.readouterr().out

@@ -33,6 +33,7 @@ from specserve.preflight import check_before_loading, effective_max_model_len
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
 from specserve.structured.grammar import GrammarCompiler, RequestGrammar
+from specserve.worker.device_memory import device_cache_budget
 from specserve.worker.model_runner import ModelRunner, PieceInput, PromptScoring, cache_layout
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -91,14 +92,29 @@ class LLMEngine:
         spec = self.speculator
         drafter_spec = spec.cache_spec(config.block_size) if spec is not None else None
         layout = cache_layout(self.model, config.block_size, config.torch_dtype, drafter_spec)
+        budget, budget_text = config.kv_cache_bytes, f"kv_cache_memory={config.kv_cache_memory!r}"
+        if budget is None:  # on a GPU: what gpu_memory_utilization leaves after weights and activations
+            rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec is not None else 0))
+            budget = device_cache_budget(
+                self.model,
+                config.gpu_memory_utilization,
+                config.max_num_batched_tokens,
+                rows,
+                config.block_size,
+                config.torch_dtype,
+            )
+            budget_text = (
+                f"gpu_memory_utilization={config.gpu_memory_utilization} ({budget / 2**30:.2f} GiB left "
+                "for caches after the weights and activations; or give kv_cache_memory)"
+            )
         plan = plan_cache_memory(
             layout,
-            config.kv_cache_bytes,
+            budget,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
-            budget_text=f"kv_cache_memory={config.kv_cache_memory!r}",
+            budget_text=budget_text,
         )
         self.caches = CacheCoordinator.build(
             plan,
@@ -140,6 +156,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             generator=self.generator,
+            platform=self.config.platform,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
 

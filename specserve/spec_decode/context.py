@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from specserve.models.base import CausalLM
+from specserve.platform import CPU, Platform
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class TargetContext:
     eos_token_ids: frozenset[int]
     generator: torch.Generator  # unseeded requests draw from the engine's generator
     tensor_parallel_size: int = 1  # ranks the target is split over (its runner's cost depends on it)
+    platform: Platform = CPU  # where the target runs: drafters load onto it and draw on its device
 
     @property
     def vocab_size(self) -> int:

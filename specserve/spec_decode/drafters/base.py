@@ -97,6 +97,7 @@ def sample_drafts(
         vocab_size,
         [s.generator for s in seqs],
         generator=generator,
+        device=logits.device,
     )
     q = target_probs(_transformed(logits, seqs, drafted), batch)
     raw = logits.float()

@@ -1,0 +1,236 @@
+"""The engine's speed on a GPU (issue 55), on random weights of real shapes (random weights time like trained
+ones), each figure against one measured in the same run:
+
+- the device's copy bandwidth (bytes read + written per second of a large device-to-device copy): the
+  roofline's ceiling;
+- batch-1 decode at a cached context: one forward and the greedy pick per token, as tokens/s and as a share
+  of the roofline (the bytes a decode step must read, weights and KV, x tokens/s / copy bandwidth);
+- T(k) / T(1) for k = 1..16: the verification forward of k tokens at batch 1, the cost curve the
+  load-aware planner reads (also drawn: verify-cost.png);
+- Hugging Face transformers' eager `generate` with a static cache, the same shapes on the same device: the
+  anchor.
+
+    python -m specserve.bench.gpu [--shape qwen3-8b] [--context 1024] [--out DIR]
+
+Eager execution (CUDA graphs are not captured yet). `--device cpu --shape tiny` runs it anywhere (the suite
+does, as a check of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from specserve.models.registry import model_skeleton
+from specserve.platform import Platform, resolve_platform
+from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block
+
+BLOCK = 16
+KS = range(1, 17)
+_QWEN3 = dict(rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1_000_000.0)
+SHAPES = {  # text configs of the released models (transformers.Qwen3Config keys)
+    "qwen3-8b": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        _QWEN3,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn()` (one warm-up call first)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of `num_bytes`."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / timed(lambda: dst.copy_(src), device, repeats)
+
+
+def random_model(config, platform: Platform, dtype: torch.dtype):
+    """specserve's model for `config` with N(0, 0.02) weights, made on the device and placed there."""
+    model = model_skeleton(config).to(dtype).to_empty(device=platform.device)
+    model.tie_weights()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02)
+    return platform.place(model.eval())
+
+
+def decode_bytes(model, context: int, dtype: torch.dtype) -> int:
+    """What one decode step reads: every weight but the input embedding's unread rows, and the KV cache."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (tied ones once)
+    if not model.config.tie_word_embeddings:
+        embedding = model.input_embedding().weight
+        weights -= embedding.numel() * embedding.element_size()
+    return weights + kv_bytes_per_block(model, BLOCK, dtype) * context // BLOCK
+
+
+def engine_timings(model, dtype: torch.dtype, context: int, repeats: int) -> dict:
+    """Batch-1 decode and T(k) at a cached `context`, on specserve's runner."""
+    device = next(model.parameters()).device
+    table = list(range(-(-(context + max(KS)) // BLOCK)))
+    runner = ModelRunner(model, len(table), BLOCK, dtype)
+    prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
+    for at in range(0, context, 2048):  # the context's KV, in prompt chunks
+        runner.forward([PieceInput(prompt[at : at + 2048], at, table)], [0])
+
+    def verify(k: int):
+        piece = PieceInput(prompt[:k], context, table, checkpoint=True)
+        return lambda: runner.forward([piece], list(range(k))).logits.argmax(-1)
+
+    costs = {k: timed(verify(k), device, repeats) for k in KS}
+    return {"decode_s": costs[1], "verify_s": costs}
+
+
+def transformers_decode_s(config, dtype: torch.dtype, device: torch.device, context: int, new: int) -> float:
+    """Seconds per decoded token of transformers' eager greedy `generate` with a static cache."""
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    ids = torch.randint(0, config.vocab_size, (1, context), device=device)
+
+    def generate(n: int):
+        return lambda: model.generate(
+            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static"
+        )
+
+    one, many = timed(generate(1), device, 2), timed(generate(new), device, 2)
+    return (many - one) / (new - 1)
+
+
+def run(args: argparse.Namespace) -> dict:
+    platform = resolve_platform(args.device)
+    device, dtype = platform.device, getattr(torch, args.dtype)
+    config = transformers.Qwen3Config(**SHAPES[args.shape])
+    bandwidth = copy_bandwidth(device, args.copy_bytes, args.repeats)
+    model = random_model(config, platform, dtype)
+    timings = engine_timings(model, dtype, args.context, args.repeats)
+    decode_tps = 1 / timings["decode_s"]
+    result = {
+        "device": torch.cuda.get_device_name(device) if platform.is_cuda else "cpu",
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "context": args.context,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "decode_tokens_per_s": decode_tps,
+        "roofline_share": decode_bytes(model, args.context, dtype) * decode_tps / bandwidth,
+        "verify_ratio": {k: t / timings["decode_s"] for k, t in timings["verify_s"].items()},
+        "cuda_graphs": False,
+    }
+    del model
+    if not args.no_transformers:
+        hf_s = transformers_decode_s(config, dtype, device, args.context, args.new_tokens)
+        result["transformers_tokens_per_s"] = 1 / hf_s
+        result["vs_transformers"] = decode_tps * hf_s
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"{result['shape']} ({result['dtype']}, random weights) on {result['device']}, context "
+        f"{result['context']}, eager",
+        f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s (read + written)",
+        f"batch-1 decode {result['decode_tokens_per_s']:.1f} tokens/s = "
+        f"{result['roofline_share']:.0%} of the roofline",
+    ]
+    if "transformers_tokens_per_s" in result:
+        lines.append(
+            f"transformers eager generate (static cache) {result['transformers_tokens_per_s']:.1f} tokens/s: "
+            f"specserve {result['vs_transformers']:.2f}x"
+        )
+    ratios = result["verify_ratio"]
+    lines.append("T(k)/T(1): " + "  ".join(f"{k}: {r:.2f}" for k, r in ratios.items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks, ratios = zip(*sorted(result["verify_ratio"].items()))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(ks, ratios, marker="o")
+    ax.set(
+        xlabel="tokens verified (k)", ylabel="T(k) / T(1)", title=f"{result['shape']} on {result['device']}"
+    )
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=64, help="of transformers' generate")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--copy-bytes", type=int, default=2**30)
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--out", default=None, help="directory for gpu-bench.json and verify-cost.png")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(report(result))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu-bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, out / "verify-cost.png")
+
+
+if __name__ == "__main__":
+    main()
