@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.config import SPECULATIVE_METHODS, SpecserveError
+from specserve.config import SpecserveError
 from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 
@@ -45,11 +45,6 @@ class Platform:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
-
-    @property
-    def speculative_methods(self) -> tuple[str, ...]:
-        """The drafters that run here (on CUDA: those whose every tensor follows the target's device)."""
-        return ("ngram", "draft_model") if self.is_cuda else SPECULATIVE_METHODS
 
     def auto_dtype(self, quantization: str | None) -> tuple[str, str]:
         """(the dtype "auto" stands for here, why)."""

@@ -124,11 +124,6 @@ def _check_drafter(
 ) -> None:
     if spec is None:
         return
-    if spec.method not in config.platform.speculative_methods:
-        raise SpecserveError(
-            f"speculative method {spec.method!r} does not run on {config.platform.device} yet (there: "
-            f"{', '.join(config.platform.speculative_methods)}): use device 'cpu' (--device cpu)"
-        )
     if spec.method == "draft_model":
         _check_draft_model(spec, target_files, target_text)
     elif spec.model is not None:  # a drafter checkpoint (or a Gemma 4 assistant, under method 'mtp')

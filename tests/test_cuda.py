@@ -13,7 +13,15 @@ from specserve import LLM, SamplingParams
 from specserve.models.loader import load_model
 from specserve.platform import resolve_platform
 from specserve.worker.model_runner import ModelRunner, PieceInput
-from tests.test_lossless import PROMPT, V, chi_square_pvalue, exact_joint, make_model
+from tests.test_lossless import (  # noqa: F401 (models, drafters: fixtures)
+    CASES,
+    DRAFTER_SAMPLES,
+    chi_square_pvalue,
+    drafters,
+    exact_joint,
+    models,
+    sampled_joint,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,34 +79,18 @@ def test_greedy_ngram_speculation_on_cuda_agrees_with_plain_greedy(tiny_model_di
     assert all(len(d.outputs[0].token_ids) == 48 for d in drafted)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_sampling_on_cuda_keeps_the_target_distribution(tmp_path, method):
-    """test_lossless.py's check on the GPU: sampled continuations against the exact joint distribution of
-    the first 3 tokens, enumerated with transformers. ngram's drafts are a point-mass q; the draft model is
-    the target at a higher temperature (related, often wrong), its q rows drawn on the GPU."""
-    reference = make_model(tmp_path / "target", 0, 60.0)
-    make_model(tmp_path / "draft", 0, 15.0)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    if method == "draft_model":
-        spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
-    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
-    llm = LLM(
-        str(tmp_path / "target"),
-        device="cuda",
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=1024,
-        max_num_batched_tokens=8192,
-        speculative_config=spec,
-    )
-    n = 8000
-    outs = llm.generate([PROMPT] * n, params)
-    counts: dict[tuple[int, ...], int] = {}
-    for o in outs:
-        key = tuple(o.outputs[0].token_ids[:3])
-        counts[key] = counts.get(key, 0) + 1
-    assert llm.engine.spec_stats.num_draft_tokens > 0
-    assert all(0 <= t < V for key in counts for t in key)
+@pytest.mark.parametrize(
+    "drafter",
+    ["draft_model", "dspark_vanilla", "dspark_scheduled", "dflash", "eagle3", "speculators_dflash2"],
+)
+def test_speculative_sampling_on_cuda_keeps_the_target_distribution(drafter, models, drafters):  # noqa: F811
+    """test_lossless.py's check on the GPU, with its poor drafters: sampled continuations (greedy requests
+    on other prompts in the same batches) against the exact joint distribution of the first 3 tokens,
+    enumerated with transformers. fp32, so that the greedy requests' logits do not tie."""
+    reference, target_dir, _, _ = models
+    params = CASES["temperature_1"]
+    n, on_cuda = DRAFTER_SAMPLES, {"device": "cuda", "dtype": "float32"}
+    counts = sampled_joint(target_dir, drafters[drafter], params, 3, n, **on_cuda)
     assert chi_square_pvalue(counts, exact_joint(reference, params, 3), n) > 0.001
 
 

@@ -177,6 +177,7 @@ def sampled_joint(
     length: int,
     num_samples: int = NUM_SAMPLES,
     tensor_parallel_size: int = 1,
+    **engine_args,
 ) -> dict:
     llm = LLM(
         target_dir,
@@ -185,6 +186,7 @@ def sampled_joint(
         max_num_batched_tokens=8192,
         speculative_config=spec,
         tensor_parallel_size=tensor_parallel_size,
+        **engine_args,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Greedy requests on other prompts ride in the same batches and must come out as plain greedy does.
@@ -193,7 +195,7 @@ def sampled_joint(
         outs = llm.generate(mixed, [greedy] * (len(mixed) - num_samples) + [params] * num_samples)
     finally:
         llm.engine.close()  # tensor-parallel workers
-    plain = LLM(target_dir, max_model_len=64).generate(GREEDY_PROMPTS, greedy)
+    plain = LLM(target_dir, max_model_len=64, **engine_args).generate(GREEDY_PROMPTS, greedy)
     assert [o.outputs[0].token_ids for o in outs[: len(GREEDY_PROMPTS)]] == [
         o.outputs[0].token_ids for o in plain
     ]

@@ -1,6 +1,7 @@
 """The platform layer (specserve/platform.py): which device a `device` string means, what "auto" picks, what
 CUDA refuses, and that a forward keeps every tensor where the model lives (checked on torch's meta device,
-where any host tensor mixed into the computation raises, as it would on a GPU)."""
+where a host tensor mixed into most ops raises, as it would beside a GPU; not every op checks: an embedding
+lookup with host indices passes there)."""
 
 import argparse
 import json
@@ -12,7 +13,7 @@ from specserve.cli_args import add_engine_args, engine_kwargs
 from specserve.config import EngineConfig, SpecserveError
 from specserve.layers.transfer import to_device, to_host
 from specserve.models.loader import load_model
-from specserve.platform import CPU, check_device, resolve_platform
+from specserve.platform import CPU, Platform, check_device, resolve_platform
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
 
@@ -77,18 +78,6 @@ def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
         EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
 
 
-def test_cuda_refuses_drafters_that_do_not_run_there_yet(two_gpus, tiny_model_dir):
-    from specserve.config import SpeculativeConfig
-    from specserve.preflight import check_before_loading
-
-    config = EngineConfig(model=str(tiny_model_dir("qwen3")), device="cuda")
-    check_before_loading(config, SpeculativeConfig(method="ngram"))
-    check_before_loading(config, SpeculativeConfig(method="draft_model", model=config.model))
-    dspark = SpeculativeConfig(method="dspark", model=config.model)
-    with pytest.raises(SpecserveError, match=r"'dspark' does not run on cuda:0 yet .*\(--device cpu\)"):
-        check_before_loading(config, dspark)
-
-
 def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):
     config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
     assert config.platform is CPU
@@ -150,6 +139,29 @@ def test_a_forward_keeps_every_tensor_on_the_models_device(tiny_model_dir, arch)
     pieces = [PieceInput([1, 2, 3], 0, [0]), PieceInput([4, 5], 17, [1, 2])]
     out = runner.forward(pieces, logit_rows=[2, 4])
     assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (2, model.config.vocab_size)
+
+
+def test_a_dspark_draft_forward_keeps_every_tensor_on_the_drafters_device(tiny_model_dir):
+    """The DSpark drafter's backbone forward (context rows from the target, the paged draft cache, the
+    block queries) with its model, caches and the target's features on the meta device."""
+    import dataclasses
+
+    from specserve.spec_decode.drafters.dspark import DSparkDrafter
+    from tests.test_dspark import B, bound, fake_target, make_drafter_model, sequence
+
+    targets = {"qwen3": load_model(str(tiny_model_dir("qwen3")))[:2]}
+    model = make_drafter_model(targets).to("meta")
+    for module in model.modules():
+        if hasattr(module, "attention_backend"):
+            module.attention_backend = _meta_attention
+    meta = Platform(torch.device("meta"), "torch")
+    drafter = bound(DSparkDrafter(model, dataclasses.replace(fake_target(B), platform=meta)), B)
+    assert all(c.k.device.type == "meta" for c in drafter.caches)
+    seqs = [sequence("a", list(range(3, 12))), sequence("b", list(range(5, 10)))]
+    for seq in seqs:
+        drafter.observe(seq, 0, torch.empty(seq.num_tokens - 1, drafter.feature_width, device="meta"))
+    h = drafter._backbone(seqs)
+    assert h.device.type == "meta" and tuple(h.shape[:2]) == (2, B)
 
 
 def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):

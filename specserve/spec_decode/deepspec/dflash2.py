@@ -35,7 +35,7 @@ class GroupedDynamicConv(nn.Module):
         """x [N, H] (whole blocks), delta [N, taps, groups] -> [N, H]."""
         groups = x.unflatten(-1, (self.num_groups, self.group_size))
         coefficients = self.base_kernel[side].to(x.dtype).view(self.taps, self.num_groups, self.group_size)
-        slot = torch.arange(x.shape[0]) % self.block_size
+        slot = torch.arange(x.shape[0], device=x.device) % self.block_size
         out = torch.zeros_like(groups)
         for tap in range(self.taps):
             shifted = torch.cat([groups.new_zeros(tap, *groups.shape[1:]), groups[: x.shape[0] - tap]])

@@ -183,7 +183,7 @@ class TokenIO:
         if self.d2t is None:
             return logits
         out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., self.d2t + torch.arange(len(self.d2t))] = logits
+        out[..., self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)] = logits
         return out
 
 

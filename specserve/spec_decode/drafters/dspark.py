@@ -20,6 +20,7 @@ import torch
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
+from specserve.layers.transfer import to_device, to_host
 from specserve.spec_decode.calibration.offline import load_temperatures
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import DSparkConfig
@@ -68,7 +69,7 @@ class DSparkDrafter(HiddenStateDrafter):
             return proposals
         ready_seqs = [seqs[i] for i in ready]
         h = self._backbone(ready_seqs)[:, : self.first_slot + num_tokens]
-        anchors = torch.tensor([s.all_token_ids[-1] for s in ready_seqs])
+        anchors = torch.tensor([s.all_token_ids[-1] for s in ready_seqs], device=self.device)
         for i, proposal in zip(ready, self._sample(h, anchors, ready_seqs)):
             proposals[i] = proposal
         return proposals
@@ -97,10 +98,11 @@ class DSparkDrafter(HiddenStateDrafter):
         )
         features = [f for st in states for f in st.take_pending()]
         width = self.feature_width
-        context = self.model.project_context(concat_rows(features, width, self.caches[0].k.dtype))
+        context = self.model.project_context(concat_rows(features, width, self.caches[0].k))
         block_ids = torch.full((len(seqs), B), self.mask_token_id)
         block_ids[:, 0] = torch.tensor([s.all_token_ids[-1] for s in seqs])
-        h = self.model.backbone(self.model.embed(block_ids.reshape(-1)), context, batch)
+        (block_ids,) = to_device(self.device, block_ids.reshape(-1))
+        h = self.model.backbone(self.model.embed(block_ids), context, batch)
         self.roll_back(seqs, states, anchors)  # keep the context rows (< a); the block rows go
         return h.view(len(seqs), B, -1)
 
@@ -138,10 +140,11 @@ class DSparkDrafter(HiddenStateDrafter):
             peak_rows.append(peaks)
             for r, token in enumerate(tokens):
                 drafted[r].append(token)
-            prev = torch.tensor(tokens)
+            prev = torch.tensor(tokens, device=self.device)
         probs = torch.stack(q_rows, dim=1)  # [R, k, V]
         if confidence_logits:
             confidences = torch.sigmoid(torch.stack(confidence_logits, dim=1))
         else:  # no confidence head (DFlash): the peaks of the drafter's own distributions
             confidences = torch.stack(peak_rows, dim=1)
+        (confidences,) = to_host(confidences)  # the planner reads them on the host; q rows stay
         return [DraftProposal(drafted[r], probs[r], confidences[r]) for r in range(num_seqs)]

@@ -17,6 +17,7 @@ from specserve.config import SpeculativeConfig
 from specserve.core.batch import row_offsets
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
+from specserve.layers.transfer import to_device, to_host
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import Eagle3Config
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
@@ -71,10 +72,11 @@ class Eagle3Drafter(HiddenStateDrafter):
             [t for s, st, a in zip(seqs, states, anchors) for t in s.all_token_ids[st.num_cached + 1 : a + 1]]
         )
         features = concat_rows(
-            [f for st in states for f in st.take_pending()], self.feature_width, self.caches[0].k.dtype
+            [f for st in states for f in st.take_pending()], self.feature_width, self.caches[0].k
         )
         batch = self.paged_batch(states, owner, pos, lens, pos, causal=True)
-        self.group.keep_last_features(batch.kv_slots, pos, features)
+        self.group.keep_last_features(batch.kv_slots, batch.kv_pos, features)
+        (tokens,) = to_device(self.device, tokens)
         out = self.model(tokens, self.model.project_context(features), batch)
         hidden = out[[end - 1 for end in row_offsets(lens)[1:]]]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]
@@ -85,7 +87,7 @@ class Eagle3Drafter(HiddenStateDrafter):
                 batch = self.paged_batch(
                     states, torch.arange(len(seqs)), step_pos, [1] * len(seqs), step_pos, causal=True
                 )
-                hidden = self.model(torch.tensor([d[-1] for d in drafted]), hidden, batch)
+                hidden = self.model(torch.tensor([d[-1] for d in drafted], device=self.device), hidden, batch)
             logits = self.model.compute_logits(self.model.final_hidden(hidden))
             logits = self.model.target_vocab_logits(logits)
             q, new, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
@@ -94,7 +96,7 @@ class Eagle3Drafter(HiddenStateDrafter):
             for d, token in zip(drafted, new):
                 d.append(token)
         self.roll_back(seqs, states, anchors)
-        probs, confidences = torch.stack(q_rows, dim=1), torch.stack(peak_rows, dim=1)
+        probs, (confidences,) = torch.stack(q_rows, dim=1), to_host(torch.stack(peak_rows, dim=1))
         return [
             DraftProposal(d, probs[r], confidences[r]).truncate(self._length(d, seq))
             for r, (d, seq) in enumerate(zip(drafted, seqs))

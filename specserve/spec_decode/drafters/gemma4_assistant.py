@@ -66,6 +66,8 @@ class Gemma4AssistantDrafter(Drafter):
                 "a Gemma 4 assistant reads the target's KV cache, which tensor parallelism splits over "
                 "ranks: use tensor_parallel_size 1"
             )
+        if target.platform.is_cuda:
+            raise SpecserveError(f"{source}: a Gemma 4 assistant runs on the CPU only for now (--device cpu)")
         with torch.device("meta"):
             model = Gemma4Assistant(config)
         model = model.to_empty(device="cpu").to(target.torch_dtype).eval()

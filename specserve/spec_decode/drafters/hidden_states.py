@@ -41,10 +41,10 @@ class ContextState(PagedEntry):
         return rows
 
 
-def concat_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """[sum of rows, width]; empty when a request was proposed for again without new rows (it had not
-    been scheduled since its last proposal)."""
-    return torch.cat(rows).to(dtype) if rows else torch.zeros(0, width, dtype=dtype)
+def concat_rows(rows: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
+    """[sum of rows, width] in `like`'s dtype and device; empty when a request was proposed for again
+    without new rows (it had not been scheduled since its last proposal)."""
+    return torch.cat(rows).to(like.dtype) if rows else like.new_zeros(0, width)
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,7 @@ class HiddenStateDrafter(Drafter):
         self.feature_width = layout.feature_width
         self.vocab_size = target.vocab_size
         self.dtype = target.torch_dtype
+        self.device = target.platform.device  # where the target's features arrive and the drafter runs
         self.generator = target.generator  # unseeded requests draw from the engine's generator
         self.extra_tokens_per_request = extra_tokens_per_request  # drafted rows beyond the context
 
@@ -165,25 +166,25 @@ class HiddenStateDrafter(Drafter):
         self.blocks = group.blocks
         self.states = group.entries  # request id -> its context (the coordinator frees it with the request)
         shape = (group.blocks.num_blocks, group.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        on = {"dtype": self.dtype, "device": self.device}
         self.caches = [
-            KVCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-            for _ in range(self.layout.num_layers)
+            KVCache(torch.zeros(shape, **on), torch.zeros(shape, **on)) for _ in range(self.layout.num_layers)
         ]
         group.caches, group.reads_next_token = self.caches, self.reads_next_token
         if self.reads_next_token:
-            group.last_features = torch.zeros(group.blocks.num_blocks, self.feature_width, dtype=self.dtype)
+            group.last_features = torch.zeros(group.blocks.num_blocks, self.feature_width, **on)
 
     @staticmethod
     def load(spec: SpeculativeConfig, target: TargetContext, config_type: type):
         """The checkpoint's drafter, checked to be a `config_type` drafter, quantized if the config says so
-        (its own layers only: modules it shares with the target are replaced, not changed) and packed for
-        CPU inference."""
+        (its own layers only: modules it shares with the target are replaced, not changed) and placed on
+        the target's platform."""
         model = load_draft_checkpoint(spec.model, target.model, target.model_config, dtype=target.torch_dtype)
         if not isinstance(model.config, config_type):
             raise SpecserveError(
                 f"{spec.model}: a {model.config.architecture} drafter cannot run method {spec.method!r}"
             )
-        return prepare_model(model, spec.quantization)
+        return prepare_model(model, spec.quantization, platform=target.platform)
 
     # ---- context bookkeeping ------------------------------------------------------------------------
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
@@ -219,27 +220,25 @@ class HiddenStateDrafter(Drafter):
         causal: bool,
     ) -> PagedDraftBatch:
         """Rows to write (owner request, position) and queries (per request, consecutive) of one forward;
-        every request's blocks must already cover its last position."""
+        every request's blocks must already cover its last position. Built on the host, sent to the
+        drafter's device in one copy."""
         tables = padded_block_tables([st.block_table for st in states])
         owners = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))
         last = torch.full((len(states),), -1, dtype=torch.long)
         last = last.scatter_reduce(0, kv_owner, kv_pos, reduce="amax").scatter_reduce(
             0, owners, query_pos, reduce="amax"
         )
-        return PagedDraftBatch(
-            block_pos=query_pos,
-            kv_pos=kv_pos,
-            kv_slots=slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size),
-            meta=ForwardMetadata.build(
-                query_start=row_offsets(query_lens),
-                context_lens=(last + 1).tolist(),
-                block_tables=[st.block_table for st in states],
-                positions=query_pos,
-                block_size=self.blocks.block_size,
-                causal=causal,
-            ),
-            caches=self.caches,
+        meta = ForwardMetadata.build(
+            query_start=row_offsets(query_lens),
+            context_lens=(last + 1).tolist(),
+            block_tables=[st.block_table for st in states],
+            positions=query_pos,
+            block_size=self.blocks.block_size,
+            causal=causal,
         )
+        kv_slots = slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size)
+        meta, (kv_pos, kv_slots) = meta.to(self.device, kv_pos, kv_slots)
+        return PagedDraftBatch(meta.positions, kv_pos, kv_slots, meta, self.caches)
 
     def roll_back(self, seqs: list[Sequence], states: list[ContextState], lengths: list[int]) -> None:
         """Keep the first `lengths[i]` rows of each request's draft cache (a length change): its context

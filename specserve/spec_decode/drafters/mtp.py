@@ -67,7 +67,7 @@ class MTPDrafter(Eagle3Drafter):
         predictor = MultiTokenPredictor(target.model_config)
         predictor.load_weights(weights)
         predictor.to(target.torch_dtype).eval()
-        prepare_model(predictor, spec.quantization)
+        prepare_model(predictor, spec.quantization, platform=target.platform)
         attention = predictor.layers[0].self_attn
         hidden = target.model_config.hidden_size
         layout = DrafterLayout(
