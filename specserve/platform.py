@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpecserveError
+from specserve.layers.gated_deltanet import use_delta_rule
 from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 
@@ -81,8 +82,7 @@ class Platform:
         for module in model.modules():
             if hasattr(module, "attention_backend"):
                 module.attention_backend = triton_paged_attention
-            if hasattr(module, "delta_rule"):
-                module.delta_rule = self.delta_rule
+        use_delta_rule(model, self.delta_rule)
         return model
 
 

@@ -33,7 +33,3 @@ def tiny_model_dir(tmp_path_factory):
         return cache[arch]
 
     return get
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (the GPU tier); skipped without one")

@@ -28,24 +28,25 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA device"),
 ]
 
-DENSE = ["qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4"]
+FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 PIECES = [  # a prompt chunk, a cached sequence's decode row and a verification block, in one forward
-    PieceInput(list(range(3, 40)), 0, [0, 1, 2]),
-    PieceInput([7], 20, [3, 4]),
-    PieceInput([9, 4, 11, 2], 30, [5, 6, 7]),
+    PieceInput(list(range(3, 40)), 0, [0, 1, 2], state_slot=0),
+    PieceInput([7], 20, [3, 4], state_slot=1),
+    PieceInput([9, 4, 11, 2], 30, [5, 6, 7], state_slot=2, checkpoint=True),
 ]
 
 
 def _logits(model_dir: str, device: str, dtype: torch.dtype) -> torch.Tensor:
     model, _, _ = load_model(model_dir, dtype=dtype, platform=resolve_platform(device))
-    runner = ModelRunner(model, num_blocks=8, block_size=16, dtype=dtype)
-    # the cached prefixes the decode row and the block read: written by a first forward of their own
-    runner.forward([PieceInput(list(range(20)), 0, [3, 4]), PieceInput(list(range(30)), 0, [5, 6])], [0])
+    runner = ModelRunner(model, num_blocks=8, block_size=16, dtype=dtype, num_state_slots=3)
+    # the cached prefixes the decode row and the block read (KV, recurrent states): a first forward's
+    prefixes = [PieceInput(list(range(20)), 0, [3, 4], 1), PieceInput(list(range(30)), 0, [5, 6], 2)]
+    runner.forward(prefixes, [0])
     rows = [36, 37, 38, 39, 40, 41]  # the chunk's last row, the decode row, the block's rows
     return runner.forward(PIECES, rows).logits.float().cpu()
 
 
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_every_family_on_cuda_matches_the_cpu_fp32_reference(tiny_model_dir, arch):
     """bf16 on the GPU against fp32 on the CPU: close in value (bf16's 8 bits of mantissa over a few
     layers) and the same top-1 token wherever the reference's top two are not within that error."""
