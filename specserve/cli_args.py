@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, SpeculativeConfig
+from specserve.config import (
+    LOAD_FORMATS,
+    QUANTIZATION_MODES,
+    SamplingParams,
+    SpecserveError,
+    SpeculativeConfig,
+)
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
@@ -55,6 +61,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--gpu-memory-utilization leaves after the weights and activations)",
     )
     parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights, no checkpoint read (config.json is enough; for benchmarks)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -101,6 +113,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
         max_num_seqs=args.max_num_seqs,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

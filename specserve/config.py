@@ -207,6 +207,7 @@ _DTYPES = {
 
 QUANTIZATION_MODES = ("int8", "int4")
 DEFAULT_CPU_CACHE_MEMORY = "2GiB"
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _check_quantization(mode: str | None) -> None:
@@ -242,6 +243,8 @@ class EngineConfig:
     # "auto" (CUDA when torch sees a GPU, else the CPU) | "cpu" | "cuda" | "cuda:N" (specserve/platform.py)
     device: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory this engine may use (vLLM's)
+    # "auto": the checkpoint's weights; "dummy": random ones, no checkpoint read (vLLM's; benchmarks)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -273,6 +276,10 @@ class EngineConfig:
             and not isinstance(self.gpu_memory_utilization, bool)
             and 0 < self.gpu_memory_utilization <= 1,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        _check(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
         )
         if self.kv_cache_memory is None and not self.platform.is_cuda:
             self.kv_cache_memory = DEFAULT_CPU_CACHE_MEMORY

@@ -71,7 +71,7 @@ def check_before_loading(config: EngineConfig, speculative_config: SpeculativeCo
     from specserve.models.sharding import shard_config
     from specserve.worker.model_runner import cache_layout
 
-    target_files = locate_model(config.model)
+    target_files = locate_model(config.model, need_weights=config.load_format != "dummy")
     hf_config = model_config(target_files, config.revision)
     if hf_config is None:  # a hub model not downloaded yet: the engine checks it after the download
         _check_drafter(speculative_config, None, None, None, config)

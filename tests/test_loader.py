@@ -7,6 +7,7 @@ models, converted into the shared cache and compared tensor by tensor with trans
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from specserve import LLM, SamplingParams
 from specserve.config import SpecserveError
 from specserve.local_port import free_local_port
 from specserve.models import gguf as sgguf
@@ -536,3 +538,17 @@ def test_load_model_end_to_end(name):
     assert embed.dtype == torch.float32 and embed.shape[0] == config.vocab_size
     ckpt = dict(iter_checkpoint_tensors(resolve_model(name)))
     assert torch.equal(embed, ckpt["model.embed_tokens.weight"])
+
+
+def test_dummy_weights_need_only_the_config(tmp_path, tiny_model_dir):
+    """load_format "dummy" (vLLM's, for benchmarks of real shapes): config.json alone, random weights."""
+    shutil.copy(tiny_model_dir("qwen3") / "config.json", tmp_path / "config.json")
+    with pytest.raises(SpecserveError, match=r"config.json but no \*.safetensors"):
+        LLM(str(tmp_path))
+    llm = LLM(str(tmp_path), load_format="dummy", max_model_len=64)
+    weights = torch.cat([p.detach().flatten() for p in llm.engine.model.parameters()])
+    assert abs(weights.std().item() - 0.02) < 0.002 and abs(weights.mean().item()) < 0.002
+    out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(SpecserveError, match="load_format must be one of auto, dummy"):
+        LLM(str(tmp_path), load_format="random")

@@ -169,9 +169,13 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     from specserve.bench.gpu import KS, main
 
     argv = ["--device", "cpu", "--shape", "tiny", "--dtype", "float32", "--context", "40", "--repeats", "1"]
-    main([*argv, "--copy-bytes", "100000", "--new-tokens", "3", "--out", str(tmp_path)])
+    argv += ["--concurrency", "1,2", "--input-len", "8", "--output-len", "3", "--copy-bytes", "100000"]
+    main([*argv, "--new-tokens", "3", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "gpu-bench.json").read_text())
     assert set(map(int, result["verify_ratio"])) == set(KS) and result["verify_ratio"]["1"] == 1.0
     assert result["decode_tokens_per_s"] > 0 and 0 < result["roofline_share"]
     assert result["transformers_tokens_per_s"] > 0 and (tmp_path / "verify-cost.png").stat().st_size > 0
+    assert (
+        set(result["output_tokens_per_s"]) == {"1", "2"} and min(result["output_tokens_per_s"].values()) > 0
+    )
     assert "T(k)/T(1)" in capsys.readouterr().out

@@ -7,8 +7,12 @@ ones), each figure against one measured in the same run:
   of the roofline (the bytes a decode step must read, weights and KV, x tokens/s / copy bandwidth);
 - T(k) / T(1) for k = 1..16: the verification forward of k tokens at batch 1, the cost curve the
   load-aware planner reads (also drawn: verify-cost.png);
+- output tokens/s of the whole engine at 1 / 8 / 32 / 128 concurrent requests (`--concurrency`) of
+  `--input-len` random prompt tokens and `--output-len` generated ones;
 - Hugging Face transformers' eager `generate` with a static cache, the same shapes on the same device: the
   anchor.
+
+The weights are random (`load_format="dummy"`: the engine reads config.json alone).
 
     python -m specserve.bench.gpu [--shape qwen3-8b] [--context 1024] [--out DIR]
 
@@ -19,16 +23,20 @@ does, as a check of the script itself).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import transformers
 
-from specserve.models.registry import model_skeleton
-from specserve.platform import Platform, resolve_platform
+from specserve import LLM, SamplingParams
+from specserve.cli_args import int_list
+from specserve.models.loader import load_model
+from specserve.platform import resolve_platform
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block
 
 BLOCK = 16
@@ -95,14 +103,11 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
     return 2 * num_bytes / timed(lambda: dst.copy_(src), device, repeats)
 
 
-def random_model(config, platform: Platform, dtype: torch.dtype):
-    """specserve's model for `config` with N(0, 0.02) weights, made on the device and placed there."""
-    model = model_skeleton(config).to(dtype).to_empty(device=platform.device)
-    model.tie_weights()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.02)
-    return platform.place(model.eval())
+def config_dir(config, directory: Path) -> str:
+    """A model directory holding `config` alone: what load_format "dummy" needs."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    return str(directory)
 
 
 def decode_bytes(model, context: int, dtype: torch.dtype) -> int:
@@ -146,12 +151,43 @@ def transformers_decode_s(config, dtype: torch.dtype, device: torch.device, cont
     return (many - one) / (new - 1)
 
 
-def run(args: argparse.Namespace) -> dict:
+def throughput(model_dir: str, args: argparse.Namespace, concurrency: int) -> float:
+    """Output tokens/s of the engine serving `concurrency` requests at once, prompts of random tokens."""
+    llm = LLM(
+        model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        load_format="dummy",
+        max_num_seqs=concurrency,
+        max_model_len=args.input_len + args.output_len,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    vocab = llm.engine.vocab_size
+    prompts = [torch.randint(0, vocab, (args.input_len,)).tolist() for _ in range(concurrency)]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    synchronize(llm.engine.config.platform.device)
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    synchronize(llm.engine.config.platform.device)
+    seconds = time.perf_counter() - start
+    del llm
+    release_memory()  # the next engine's cache budget is measured from what is allocated
+    return concurrency * args.output_len / seconds
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict:
     platform = resolve_platform(args.device)
     device, dtype = platform.device, getattr(torch, args.dtype)
     config = transformers.Qwen3Config(**SHAPES[args.shape])
+    model_dir = config_dir(config, workdir / args.shape)
     bandwidth = copy_bandwidth(device, args.copy_bytes, args.repeats)
-    model = random_model(config, platform, dtype)
+    model, _, _ = load_model(model_dir, dtype, platform=platform, load_format="dummy")
     timings = engine_timings(model, dtype, args.context, args.repeats)
     decode_tps = 1 / timings["decode_s"]
     result = {
@@ -159,6 +195,8 @@ def run(args: argparse.Namespace) -> dict:
         "shape": args.shape,
         "dtype": args.dtype,
         "context": args.context,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "decode_tokens_per_s": decode_tps,
         "roofline_share": decode_bytes(model, args.context, dtype) * decode_tps / bandwidth,
@@ -166,6 +204,8 @@ def run(args: argparse.Namespace) -> dict:
         "cuda_graphs": False,
     }
     del model
+    release_memory()
+    result["output_tokens_per_s"] = {c: throughput(model_dir, args, c) for c in args.concurrency}
     if not args.no_transformers:
         hf_s = transformers_decode_s(config, dtype, device, args.context, args.new_tokens)
         result["transformers_tokens_per_s"] = 1 / hf_s
@@ -188,6 +228,10 @@ def report(result: dict) -> str:
         )
     ratios = result["verify_ratio"]
     lines.append("T(k)/T(1): " + "  ".join(f"{k}: {r:.2f}" for k, r in ratios.items()))
+    lines.append(
+        f"output tokens/s at {result['input_len']} in / {result['output_len']} out, by concurrent requests: "
+        + "  ".join(f"{c}: {t:.0f}" for c, t in result["output_tokens_per_s"].items())
+    )
     return "\n".join(lines)
 
 
@@ -220,10 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="of transformers' generate")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--copy-bytes", type=int, default=2**30)
+    parser.add_argument("--concurrency", type=int_list, default="1,8,32,128")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", default=None, help="directory for gpu-bench.json and verify-cost.png")
     args = parser.parse_args(argv)
-    result = run(args)
+    with tempfile.TemporaryDirectory() as workdir:
+        result = run(args, Path(workdir))
     print(report(result))
     if args.out:
         out = Path(args.out)

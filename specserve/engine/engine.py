@@ -65,7 +65,9 @@ class LLMEngine:
         """Both configurations come validated (`from_args` parses and checks a user's)."""
         _freeze_import_heap()
         self.config = config
-        self.model_dir = resolve_model(config.model, revision=config.revision)
+        self.model_dir = resolve_model(
+            config.model, revision=config.revision, need_weights=config.load_format != "dummy"
+        )
         # Tensor parallelism: worker ranks load their shards while this process (rank 0) loads its own.
         split = config.tensor_parallel_size > 1
         self.parallel = TensorParallelExecutor(config.tensor_parallel_size) if split else None
@@ -77,7 +79,9 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig, spec_config: SpeculativeConfig | None) -> None:
         load_args = {"model": str(self.model_dir), "dtype": config.torch_dtype}
-        load_args.update(quantization=config.quantization, platform=config.platform)
+        load_args.update(
+            quantization=config.quantization, platform=config.platform, load_format=config.load_format
+        )
         if self.parallel is not None:
             self.parallel.load(**load_args)
         shard = self.parallel.shard if self.parallel is not None else None

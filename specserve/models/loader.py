@@ -77,8 +77,9 @@ class ModelFiles:
     local_name: str | None = None  # a local model's short name
 
 
-def locate_model(model: str) -> ModelFiles:
-    """`model`'s files as they are (cheap: no conversion, no download); unknown references are errors."""
+def locate_model(model: str, need_weights: bool = True) -> ModelFiles:
+    """`model`'s files as they are (cheap: no conversion, no download); unknown references are errors.
+    `need_weights=False` (load_format "dummy"): a directory with config.json alone will do."""
     model = str(model)
     if model in local_models.LOCAL_MODELS:
         converted = local_models.converted_path(model)
@@ -87,7 +88,7 @@ def locate_model(model: str) -> ModelFiles:
         return ModelFiles(gguf_parts=local_models.gguf_parts(model), local_name=model)
     path = Path(model).expanduser()
     if path.exists():
-        return _locate_path(path)
+        return _locate_path(path, need_weights)
     if model.endswith(".gguf") or model.startswith((".", "/", "~")):
         raise SpecserveError(f"model path {model!r} does not exist; {_accepted_forms()}")
     if _HUB_ID.match(model) and ".." not in model:
@@ -97,9 +98,12 @@ def locate_model(model: str) -> ModelFiles:
     )
 
 
-def resolve_model(model: str, *, revision: str | None = None, cache_dir: Path | None = None) -> Path:
-    """A local directory with config.json, *.safetensors and (when known) tokenizer files for `model`."""
-    files = locate_model(model)
+def resolve_model(
+    model: str, *, revision: str | None = None, cache_dir: Path | None = None, need_weights: bool = True
+) -> Path:
+    """A local directory with config.json, *.safetensors (unless not `need_weights`) and (when known)
+    tokenizer files for `model`."""
+    files = locate_model(model, need_weights)
     if files.directory is not None:
         return files.directory
     if files.hub_id is not None:
@@ -111,7 +115,7 @@ def resolve_model(model: str, *, revision: str | None = None, cache_dir: Path | 
     return gguf.resolve_gguf(files.gguf_parts[0])
 
 
-def _locate_path(path: Path) -> ModelFiles:
+def _locate_path(path: Path, need_weights: bool = True) -> ModelFiles:
     from specserve.models import gguf
 
     if path.is_file():
@@ -124,7 +128,8 @@ def _locate_path(path: Path) -> ModelFiles:
             )
         raise SpecserveError(f"{path} is a file but not a .gguf file; {_accepted_forms()}")
     if (path / "config.json").is_file():
-        _check_weights(path)
+        if need_weights:
+            _check_weights(path)
         return ModelFiles(directory=path)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -255,9 +260,11 @@ def load_model(
     quantization: str | None = None,
     shard: Shard | None = None,
     platform: Platform = CPU,
+    load_format: str = "auto",
 ):
     """Resolve `model`, build our implementation and load its weights, ready to run on `platform`:
-    (model, config, tokenizer or None).
+    (model, config, tokenizer or None). `load_format="dummy"` (vLLM's) reads no weights: they are random,
+    made where the model runs (benchmarks of real shapes without a checkpoint: config.json is enough).
 
     `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
     model converted from a GGUF file that is still present is then read from that file, its quantized
@@ -271,11 +278,13 @@ def load_model(
 
     if quantization is not None:
         check_mode(quantization)
-    model_dir = resolve_model(model, revision=revision)
+    dummy = load_format == "dummy"
+    model_dir = resolve_model(model, revision=revision, need_weights=not dummy)
     config = load_hf_config(model_dir)
     world_size = shard.world_size if shard is not None else 1
     try:
-        net = build_model(shard_config(text_config_of(config), world_size), dtype)
+        device = platform.device if dummy else "cpu"  # a checkpoint is read on the host, then placed
+        net = build_model(shard_config(text_config_of(config), world_size), dtype, device)
         if world_size > 1:
             full_shapes = full_parameter_shapes(model_class(text_config_of(config)), text_config_of(config))
     except ValueError as exc:
@@ -283,13 +292,15 @@ def load_model(
     if world_size > 1:
         net.config = text_config_of(config)  # checkpoint layouts are read off the whole model's config
         net.weight_shard = WeightShard(shard, full_shapes, net)
-    source = gguf.gguf_source(model_dir) if quantization and world_size == 1 else None
+    source = gguf.gguf_source(model_dir) if quantization and world_size == 1 and not dummy else None
     cache = None
-    if quantization and world_size == 1:  # a rank's shard is quantized from its fp32 part each time
+    if quantization and world_size == 1 and not dummy:  # a rank's shard: from its fp32 part each time
         cache = PreparedWeights.for_source(
             [*safetensors_files(model_dir), *([source] if source else [])], quantization, dtype
         )
-    if cache is not None and cache.exists():
+    if dummy:
+        init_dummy_weights(net)
+    elif cache is not None and cache.exists():
         cache.load_into(net)
     elif source is not None:
         net.load_weights(gguf.load_quantized(source, net, quantization), adopt=True)
@@ -301,3 +312,12 @@ def load_model(
     # quantized (everything not read quantized from a GGUF or the cache: a tied head, ...), cached, packed
     prepare_model(net, quantization, cache, platform)
     return net, config, load_tokenizer(model_dir)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter N(0, 0.02) from a seeded generator on its device (ties kept: they are tied before)."""
+    model.tie_weights()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            generator = torch.Generator(parameter.device).manual_seed(seed)
+            parameter.normal_(0.0, 0.02, generator=generator)

@@ -50,6 +50,6 @@ def model_skeleton(config) -> CausalLM:
         return model_cls(config)
 
 
-def build_model(config, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """An uninitialised model for `config` (weights are loaded afterwards)."""
-    return model_skeleton(config).to_empty(device="cpu").to(dtype)
+def build_model(config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> CausalLM:
+    """An uninitialised model for `config` on `device` (weights are loaded afterwards)."""
+    return model_skeleton(config).to(dtype).to_empty(device=device)
