@@ -315,7 +315,8 @@ class EngineConfig:
 
         self.platform = resolve_platform(self.device)
         self.device_reason = "asked for" if check_device(self.device) != "auto" else "auto"
-        refused = self.platform.refusals(self.quantization, self.tensor_parallel_size)
+        dtype = _DTYPES.get(str(self.dtype).lower())
+        refused = self.platform.refusals(self.quantization, self.tensor_parallel_size, dtype)
         if refused and self.device_reason == "auto":
             self.platform, self.device_reason = CPU, f"auto: {' and '.join(refused)} run on the CPU only"
             refused = []

@@ -55,11 +55,13 @@ class Platform:
 
         return auto_dtype(quantization)
 
-    def refusals(self, quantization: str | None, tensor_parallel_size: int) -> list[str]:
+    def refusals(self, quantization: str | None, tensor_parallel_size: int, dtype: str) -> list[str]:
         """What the engine was asked for that does not run on this device yet (empty: all of it runs)."""
         if not self.is_cuda:
             return []
         refused = []
+        if dtype == "float16":
+            refused.append("float16")  # the Triton attention kernel takes fp32 and bf16
         if quantization is not None:
             refused.append(f"quantization {quantization!r}")  # specserve's int4 / int8 kernels are CPU code
         if tensor_parallel_size > 1:
