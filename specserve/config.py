@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class SpecserveError(ValueError):
-    """A bad argument from the user; the message says which and why."""
+from specserve.errors import SpecserveError  # (defined apart so that the platform layer needs no config)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.config import SpecserveError
-from specserve.layers.gated_deltanet import use_delta_rule
+from specserve.errors import SpecserveError
+from specserve.layers.delta_rules import use_delta_rule
 from specserve.layers.huge_pages import place_on_huge_pages
 from specserve.layers.linear import pack_linears
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specserve.config import SpecserveError
+from specserve.layers.delta_rules import delta_rule_backend, use_delta_rule
 from specserve.layers.gated_deltanet import (
     RECURRENT_MAX_LEN,
     DeltaRuleInputs,
@@ -23,11 +24,9 @@ from specserve.layers.gated_deltanet import (
     RecurrentState,
     StateRecord,
     TorchDeltaRule,
-    delta_rule_backend,
     l2norm,
     recurrent_delta_rule,
     repeat_heads,
-    use_delta_rule,
 )
 from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.models.registry import build_model

@@ -25,9 +25,9 @@ of the state's rank-1 update; `GatedDeltaNet.rollback` replays the kept prefix's
 passes a token, no matmul), which gives bitwise the state the forward held there.
 
 Backends: the delta-rule core (the recurrence, its chunked form, the rollback replay) is the one part that
-differs by device, so each layer holds a `DeltaRule` chosen by the platform (`use_delta_rule`): "torch"
-(this module's, every device, the CPU's default) or "fla" (flash-linear-attention's Triton kernels,
-`gdn_fla.py`, for CUDA). Projections, conv, gates, norm and the conv state's rollback are shared.
+differs by device, so each layer holds a `DeltaRule` the platform chooses (`delta_rules.py`): "torch" (this
+module's, every device, the CPU's default) or "fla" (flash-linear-attention's Triton kernels, `gdn_fla.py`,
+for CUDA). Projections, conv, gates, norm and the conv state's rollback are shared.
 """
 
 from __future__ import annotations
@@ -358,36 +358,13 @@ class TorchDeltaRule:
             replay_delta_rule(ssm, u.k[i, :kept], u.deltas[i, :kept], u.decay[i, :kept])
 
 
-DELTA_RULES = ("torch", "fla")
-
-
-def delta_rule_backend(name: str) -> DeltaRule:
-    """The delta-rule backend called `name`: "torch" (any device) or "fla" (Triton kernels, CUDA)."""
-    if name == "torch":
-        return TorchDeltaRule()
-    if name == "fla":
-        from specserve.layers.gdn_fla import FlaDeltaRule  # fla-core is optional: imported when chosen
-
-        return FlaDeltaRule()
-    raise ValueError(f"unknown Gated DeltaNet backend {name!r}; known: {', '.join(DELTA_RULES)}")
-
-
-def use_delta_rule(model: nn.Module, name: str) -> int:
-    """Run the delta rule of every GatedDeltaNet layer in `model` on backend `name`; returns how many."""
-    backend = delta_rule_backend(name)
-    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-    for layer in layers:
-        layer.delta_rule = backend
-    return len(layers)
-
-
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention layer; parameter names are its checkpoint's (`linear_attn.*`)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx  # the key of this layer's StateRecord
-        self.delta_rule: DeltaRule = TorchDeltaRule()  # the platform may choose another (use_delta_rule)
+        self.delta_rule: DeltaRule = TorchDeltaRule()  # the platform may choose another (delta_rules.py)
         hidden = config.hidden_size
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim

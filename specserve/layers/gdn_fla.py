@@ -31,7 +31,7 @@ from itertools import accumulate
 
 import torch
 
-from specserve.config import SpecserveError
+from specserve.errors import SpecserveError
 from specserve.layers.gated_deltanet import DeltaRuleInputs, PieceRows, RecurrentLayout, StateRecord, rows_of
 
 
