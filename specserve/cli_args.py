@@ -72,6 +72,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=0.9,
         help="CUDA: the share of the GPU's memory the engine may use",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly, no CUDA graphs for decode and verification steps",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -114,6 +119,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

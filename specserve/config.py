@@ -243,6 +243,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory this engine may use (vLLM's)
     # "auto": the checkpoint's weights; "dummy": random ones, no checkpoint read (vLLM's; benchmarks)
     load_format: str = "auto"
+    # CUDA: no graphs, every step eager (graphs replay decode and verification steps, worker/cuda_graphs.py)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
@@ -278,6 +280,10 @@ class EngineConfig:
         _check(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
+        )
+        _check(
+            isinstance(self.enforce_eager, bool),
+            f"enforce_eager must be true or false, got {self.enforce_eager!r}",
         )
         if self.kv_cache_memory is None and not self.platform.is_cuda:
             self.kv_cache_memory = DEFAULT_CPU_CACHE_MEMORY

@@ -4,7 +4,7 @@
 "cpu"; "cuda" or "cuda:N") into a `Platform` that the rest of the engine asks instead of testing the
 device itself: where tensors live, the dtype "auto" stands for, which kernels attend over the paged cache
 and run the Gated DeltaNet recurrence (`place` puts them into a model's layers), and what does not run
-there yet (`refusals`).
+there yet (`refusals`), and whether steps may replay CUDA graphs (`captures_graphs`).
 
 On the CPU everything is as it always was: specserve's compiled kernels where they build (or torch's
 fallbacks). On CUDA, attention is specserve's Triton kernel (`layers/triton_attention.py`)
@@ -46,6 +46,11 @@ class Platform:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether decode and verification steps may replay captured CUDA graphs (worker/cuda_graphs.py)."""
+        return self.is_cuda
 
     def auto_dtype(self, quantization: str | None) -> tuple[str, str]:
         """(the dtype "auto" stands for here, why)."""

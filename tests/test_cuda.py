@@ -112,6 +112,7 @@ def _syncs_per_decode_step(model: str, num_requests: int) -> float:
     for i in range(num_requests):
         llm.engine.add_request([3 + i, 4, 5], params)
     llm.engine.step()  # the prefill
+    llm.engine.step()  # the first decode step captures its bucket's CUDA graph
     torch.cuda.synchronize()
     counted = []
     with warnings.catch_warnings(record=True) as caught:

@@ -33,6 +33,7 @@ from specserve.preflight import check_before_loading, effective_max_model_len
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
 from specserve.structured.grammar import GrammarCompiler, RequestGrammar
+from specserve.worker.cuda_graphs import graph_config
 from specserve.worker.device_memory import device_cache_budget
 from specserve.worker.model_runner import ModelRunner, PieceInput, PromptScoring, cache_layout
 
@@ -97,8 +98,20 @@ class LLMEngine:
         drafter_spec = spec.cache_spec(config.block_size) if spec is not None else None
         layout = cache_layout(self.model, config.block_size, config.torch_dtype, drafter_spec)
         budget, budget_text = config.kv_cache_bytes, f"kv_cache_memory={config.kv_cache_memory!r}"
+        rows_per_piece = 1 + (spec.num_draft_tokens if spec is not None else 0)
+        graphs = None
+        if self.parallel is None:  # (tensor parallelism is CPU-only)
+            graphs = graph_config(
+                config.platform,
+                config.enforce_eager,
+                self.model,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                rows_per_piece,
+                -(-self.max_model_len // config.block_size) + 1,  # a verification's slack block included
+            )
         if budget is None:  # on a GPU: what gpu_memory_utilization leaves after weights and activations
-            rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec is not None else 0))
+            rows = config.max_num_seqs * rows_per_piece
             budget = device_cache_budget(
                 self.model,
                 config.gpu_memory_utilization,
@@ -113,7 +126,7 @@ class LLMEngine:
             )
         plan = plan_cache_memory(
             layout,
-            budget,
+            budget - (layout.kv_bytes_per_block if graphs is not None else 0),  # the graphs' scratch block
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -131,7 +144,7 @@ class LLMEngine:
         if self.parallel is not None:
             self.runner = self.parallel.runner(self.model, *runner_args)
         else:
-            self.runner = ModelRunner(self.model, *runner_args)
+            self.runner = ModelRunner(self.model, *runner_args, graphs=graphs)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, config.platform.device
         )

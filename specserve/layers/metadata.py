@@ -31,6 +31,27 @@ def slot_mapping(
     return tables[table_of_row, positions // block_size] * block_size + positions % block_size
 
 
+@dataclass
+class PieceIndex:
+    """The forward's pieces as a GPU kernel reads them (int32, on the model's device)."""
+
+    query_start: torch.Tensor  # [P + 1] offsets of the pieces in the flat batch
+    context_lens: torch.Tensor  # [P] keys of each piece's sequence, new ones included
+    tables: torch.Tensor  # [P, max blocks] block tables, zero-padded
+    positions: torch.Tensor  # [N] absolute position of each query row
+
+    @classmethod
+    def of(
+        cls,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        tables: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> PieceIndex:
+        """From tensors already on the device, converted there (inside a CUDA graph too)."""
+        return cls(*(t.to(torch.int32) for t in (query_start, context_lens, tables, positions)))
+
+
 class StateCheckpoints:
     """Asked for by the caller, filled by the layers during one forward: the pieces (indices into the
     forward's pieces) whose recurrent state may be rolled back, and per layer index what that layer kept
@@ -55,6 +76,8 @@ class ForwardMetadata:
     causal: bool = True  # False: every query sees all of its sequence's keys (DSpark's draft blocks)
     state_slots: torch.Tensor | None = None  # [P] long: each piece's recurrent-state slot (hybrid models)
     checkpoints: StateCheckpoints | None = None  # pieces whose recurrent state may be rolled back
+    # Prebuilt from static device buffers (worker/cuda_graphs.py); None: a kernel derives it per forward
+    piece_index: PieceIndex | None = None
     _derived: dict[Callable, Any] = field(default_factory=dict, repr=False)
 
     @classmethod

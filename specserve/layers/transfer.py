@@ -22,6 +22,13 @@ def to_device(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor
     return [part.view(t.shape) for part, t in zip(staged.split([t.numel() for t in tensors]), tensors)]
 
 
+def copy_into(buffer: torch.Tensor, host: torch.Tensor) -> None:
+    """A host-built tensor into a buffer on the device (a CUDA graph's static inputs), in one copy."""
+    if buffer.device.type == "cuda":
+        host = host.pin_memory()
+    buffer.copy_(host, non_blocking=True)
+
+
 def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """The tensors on the host (None and host tensors pass through), after one wait for their device."""
     devices = {t.device for t in tensors if t is not None and not t.is_cpu}

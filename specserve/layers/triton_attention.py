@@ -17,28 +17,16 @@ correction exp(0) = 1), so the tiles another row of the program needs change not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from specserve.layers.attention import KVCache
-from specserve.layers.metadata import ForwardMetadata
+from specserve.layers.metadata import ForwardMetadata, PieceIndex
 
 MAX_HEAD_DIM = 512  # Gemma 4's global layers
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@dataclass
-class PieceIndex:
-    """The forward's pieces as the kernel reads them (int32 on the device), built once per forward."""
-
-    query_start: torch.Tensor  # [P + 1] offsets of the pieces in the flat batch
-    context_lens: torch.Tensor  # [P] keys of each piece's sequence, new ones included
-    tables: torch.Tensor  # [P, max blocks] block tables, zero-padded
-    positions: torch.Tensor  # [N] absolute position of each query row
 
 
 def _indices_by_device(meta: ForwardMetadata) -> dict[torch.device, PieceIndex]:
@@ -46,7 +34,10 @@ def _indices_by_device(meta: ForwardMetadata) -> dict[torch.device, PieceIndex]:
 
 
 def piece_index(meta: ForwardMetadata, device: torch.device) -> PieceIndex:
-    """The forward's PieceIndex on `device`, shared by every layer of the forward."""
+    """The forward's PieceIndex on `device`, shared by every layer of the forward: the one the metadata
+    brings (a CUDA graph's, from its static buffers), or one built from the host's lists at the first call."""
+    if meta.piece_index is not None and meta.piece_index.positions.device == device:
+        return meta.piece_index
     indices = meta.derived(_indices_by_device)
     if device not in indices:
         int32 = {"dtype": torch.int32, "device": device}

@@ -25,6 +25,7 @@ from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.sampler import SampleOutput, raw_logprobs
 from specserve.layers.transfer import to_device
 from specserve.models.base import CausalLM, LayerCacheSpec
+from specserve.worker.cuda_graphs import GraphConfig, GraphRunner
 
 # Rows the LM head scores at once for prompt logprobs: a long prompt chunk never holds rows x vocab logits.
 SCORE_ROWS_PER_CALL = 256
@@ -84,10 +85,18 @@ def cache_layout(
 
 class ModelRunner:
     """Runs `model` where its weights live (`device`): its caches are allocated there, each step's inputs
-    built on the host and sent in one copy (`ForwardMetadata.to`)."""
+    built on the host and sent in one copy (`ForwardMetadata.to`). With `graphs`, steps of short pieces run
+    padded to a bucket through static buffers (worker/cuda_graphs.py), their padding rows writing to one
+    more block than `num_blocks`, which no sequence owns."""
 
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, num_state_slots: int = 0
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        num_state_slots: int = 0,
+        graphs: GraphConfig | None = None,
     ):
         self.model = model
         self.block_size = block_size
@@ -100,10 +109,11 @@ class ModelRunner:
             if spec.shared_with is not None:
                 self.kv_caches.append(self.kv_caches[spec.shared_with])
                 continue
-            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            shape = (num_blocks + (graphs is not None), block_size, spec.num_kv_heads, spec.head_dim)
             k, v = (torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
             self.kv_caches.append(KVCache(k, v))
         self._checkpoints: StateCheckpoints | None = None  # the last forward's (hybrid models)
+        self.graphs = graphs and GraphRunner(model, self.kv_caches, block_size, num_blocks, graphs)
 
     @torch.inference_mode()
     def forward(
@@ -117,6 +127,15 @@ class ModelRunner:
         """One target forward over all pieces; logits only for `logit_rows` (indices into the flat batch).
         `restores`: state copies to make first (prefix hits starting from a kept state); `scoring`: prompt
         rows to score from the forward's hidden states."""
+        if self.graphs is not None and not restores and scoring is None:
+            token_ids, tables = [p.token_ids for p in pieces], [p.block_table for p in pieces]
+            bucket = self.graphs.bucket_for(token_ids, tables)
+            if bucket is not None:
+                starts = [p.start for p in pieces]
+                logits, hidden, captured = self.graphs.run(
+                    bucket, token_ids, starts, tables, logit_rows, tuple(capture_layers)
+                )
+                return ForwardOutput(logits=logits, hidden=hidden, captured=captured)
         self.copy_states(restores)
         tokens = [t for p in pieces for t in p.token_ids]
         positions = [i for p in pieces for i in range(p.start, p.start + len(p.token_ids))]
