@@ -13,7 +13,7 @@ from specserve.cli import build_parser
 from specserve.cli_args import engine_kwargs
 from specserve.models.loader import load_model
 from specserve.platform import CPU, Platform, resolve_platform
-from specserve.worker.cuda_graphs import GraphConfig, buckets, graph_config, pad_step
+from specserve.worker.cuda_graphs import GraphConfig, buckets, graph_config, graph_refusal, pad_step
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
 BLOCK = 4
@@ -142,19 +142,20 @@ def test_steps_with_long_pieces_restores_or_scoring_run_eagerly(tiny_model_dir):
     assert graphs.bucket_for([[1]] * 3, [[0]] * 3) == 4 and graphs.pieces_of(4) == 5
 
 
-def _dense(tiny_model_dir, arch):
+def _model(tiny_model_dir, arch):
     return load_model(str(tiny_model_dir(arch)))[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
-def test_hybrid_and_moe_targets_and_enforce_eager_fall_back_to_eager(tiny_model_dir, arch):
+@pytest.mark.parametrize(("arch", "why"), [("qwen3_moe", "experts"), ("qwen3_5", "linear-attention")])
+def test_hybrid_and_moe_targets_and_enforce_eager_fall_back_to_eager(tiny_model_dir, arch, why):
     cuda = Platform(torch.device("cuda"), "fla")  # a description: nothing is placed on it here
-    dense = _dense(tiny_model_dir, "qwen3")
+    dense = _model(tiny_model_dir, "qwen3")
     limits = dict(max_num_batched_tokens=2048, max_num_seqs=8, rows_per_piece=5, max_blocks=9)
     assert graph_config(cuda, False, dense, **limits) == GraphConfig(40, 8, 9, capture=True)
     assert graph_config(cuda, True, dense, **limits) is None
     assert graph_config(CPU, False, dense, **limits) is None
-    assert graph_config(cuda, False, _dense(tiny_model_dir, arch), **limits) is None
+    assert graph_refusal(dense) is None and why in graph_refusal(_model(tiny_model_dir, arch))
+    assert graph_config(cuda, False, _model(tiny_model_dir, arch), **limits) is None
 
 
 def test_enforce_eager_is_an_engine_setting_and_a_flag(tiny_model_dir):
@@ -198,12 +199,14 @@ def test_replayed_graphs_match_the_eager_forward_on_cuda(tiny_model_dir, arch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA device")
 def test_greedy_generation_with_graphs_equals_it_without_on_cuda(tiny_model_dir):
+    """In fp32: cuBLAS may pick another GEMM for a padded row count, which moves the last bits only; in bf16
+    two logits of a tiny model often round alike, and such a tie may break either way."""
     model = str(tiny_model_dir("qwen3"))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(6)]
-    outputs = {}
+    outputs, limits = {}, dict(kv_cache_memory="256MiB", max_num_seqs=8)
     for eager in (False, True):
-        llm = LLM(model, device="cuda", enforce_eager=eager, kv_cache_memory="256MiB", max_num_seqs=8)
+        llm = LLM(model, device="cuda", dtype="float32", enforce_eager=eager, **limits)
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert (llm.engine.runner.graphs is None) == eager
         if not eager:
