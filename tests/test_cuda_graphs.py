@@ -27,6 +27,7 @@ def test_buckets_are_powers_of_two_cut_to_what_a_step_holds():
     assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert buckets(20) == [1, 2, 4, 8, 16, 20]
     assert buckets(1) == [1]
+    assert STATIC.largest_bucket == 24
 
 
 def test_padding_rows_go_to_the_scratch_block_in_a_piece_of_their_own():

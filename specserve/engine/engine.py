@@ -119,6 +119,7 @@ class LLMEngine:
                 rows,
                 config.block_size,
                 config.torch_dtype,
+                graph_tokens=graphs.largest_bucket if graphs is not None else 0,
             )
             budget_text = (
                 f"gpu_memory_utilization={config.gpu_memory_utilization} ({budget / 2**30:.2f} GiB left "

@@ -58,6 +58,10 @@ class GraphConfig:
     max_blocks: int  # blocks of one sequence's table at most
     capture: bool  # True: capture and replay CUDA graphs; False: the static buffers run eagerly
 
+    @property
+    def largest_bucket(self) -> int:
+        return buckets(self.max_tokens)[-1]
+
 
 def graph_config(
     platform: Platform,

@@ -42,11 +42,21 @@ def cache_budget_bytes(total: int, utilization: float, allocated: int, activatio
 
 
 def device_cache_budget(
-    model, utilization: float, num_tokens: int, logit_rows: int, block_size: int, dtype: torch.dtype
+    model,
+    utilization: float,
+    num_tokens: int,
+    logit_rows: int,
+    block_size: int,
+    dtype: torch.dtype,
+    graph_tokens: int = 0,
 ) -> int:
     """The caches' budget on `model`'s GPU, for steps of up to `num_tokens` tokens and `logit_rows` sampled
-    rows (a full decode batch: every request's verification rows)."""
+    rows (a full decode batch: every request's verification rows). `graph_tokens`: the largest CUDA graph
+    bucket (worker/cuda_graphs.py), whose graphs keep a memory pool of their own: a forward of that many rows
+    with logits for each, and the outputs every bucket keeps (less than as much again)."""
     device = next(model.parameters()).device
     peak = activation_peak_bytes(model, num_tokens, min(logit_rows, num_tokens), block_size, dtype)
+    if graph_tokens:
+        peak += 2 * activation_peak_bytes(model, graph_tokens, graph_tokens, block_size, dtype)
     total = torch.cuda.get_device_properties(device).total_memory
     return cache_budget_bytes(total, utilization, torch.cuda.memory_allocated(device), peak)
