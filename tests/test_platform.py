@@ -174,10 +174,13 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     argv += ["--concurrency", "1,2", "--input-len", "8", "--output-len", "3", "--copy-bytes", "100000"]
     main([*argv, "--new-tokens", "3", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "gpu-bench.json").read_text())
-    assert set(map(int, result["verify_ratio"])) == set(KS) and result["verify_ratio"]["1"] == 1.0
-    assert result["decode_tokens_per_s"] > 0 and 0 < result["roofline_share"]
-    assert result["transformers_tokens_per_s"] > 0 and (tmp_path / "verify-cost.png").stat().st_size > 0
-    assert (
-        set(result["output_tokens_per_s"]) == {"1", "2"} and min(result["output_tokens_per_s"].values()) > 0
-    )
+    assert list(result["runs"]) == ["eager"]  # the CPU captures no graphs
+    run = result["runs"]["eager"]
+    assert set(map(int, run["verify_ratio"])) == set(KS) and run["verify_ratio"]["1"] == 1.0
+    assert run["decode_tokens_per_s"] > 0 and 0 < run["roofline_share"]
+    # (transformers' per-token time is the difference of two generate timings: at tiny shapes on a loaded
+    # CPU it can come out of the noise with either sign; only that the anchor is measured is checked here)
+    assert "transformers_tokens_per_s" in result and "vs_transformers" in run
+    assert (tmp_path / "verify-cost.png").stat().st_size > 0
+    assert set(run["output_tokens_per_s"]) == {"1", "2"} and min(run["output_tokens_per_s"].values()) > 0
     assert "T(k)/T(1)" in capsys.readouterr().out

@@ -37,6 +37,7 @@ from specserve import LLM, SamplingParams
 from specserve.cli_args import int_list
 from specserve.models.loader import load_model
 from specserve.platform import resolve_platform
+from specserve.worker.cuda_graphs import graph_config
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block
 
 BLOCK = 16
@@ -119,11 +120,13 @@ def decode_bytes(model, context: int, dtype: torch.dtype) -> int:
     return weights + kv_bytes_per_block(model, BLOCK, dtype) * context // BLOCK
 
 
-def engine_timings(model, dtype: torch.dtype, context: int, repeats: int) -> dict:
-    """Batch-1 decode and T(k) at a cached `context`, on specserve's runner."""
-    device = next(model.parameters()).device
+def engine_timings(model, platform, dtype: torch.dtype, context: int, repeats: int, eager: bool) -> dict:
+    """Batch-1 decode and T(k) at a cached `context`, on specserve's runner (through CUDA graphs unless
+    `eager`, where the platform captures them)."""
+    device = platform.device
     table = list(range(-(-(context + max(KS)) // BLOCK)))
-    runner = ModelRunner(model, len(table), BLOCK, dtype)
+    graphs = graph_config(platform, eager, model, max(KS), 1, max(KS), len(table))
+    runner = ModelRunner(model, len(table), BLOCK, dtype, graphs=graphs)
     prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
     for at in range(0, context, 2048):  # the context's KV, in prompt chunks
         runner.forward([PieceInput(prompt[at : at + 2048], at, table)], [0])
@@ -151,12 +154,13 @@ def transformers_decode_s(config, dtype: torch.dtype, device: torch.device, cont
     return (many - one) / (new - 1)
 
 
-def throughput(model_dir: str, args: argparse.Namespace, concurrency: int) -> float:
+def throughput(model_dir: str, args: argparse.Namespace, concurrency: int, eager: bool) -> float:
     """Output tokens/s of the engine serving `concurrency` requests at once, prompts of random tokens."""
     llm = LLM(
         model_dir,
         device=args.device,
         dtype=args.dtype,
+        enforce_eager=eager,
         load_format="dummy",
         max_num_seqs=concurrency,
         max_model_len=args.input_len + args.output_len,
@@ -188,8 +192,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     model_dir = config_dir(config, workdir / args.shape)
     bandwidth = copy_bandwidth(device, args.copy_bytes, args.repeats)
     model, _, _ = load_model(model_dir, dtype, platform=platform, load_format="dummy")
-    timings = engine_timings(model, dtype, args.context, args.repeats)
-    decode_tps = 1 / timings["decode_s"]
+    read_bytes = decode_bytes(model, args.context, dtype)
     result = {
         "device": torch.cuda.get_device_name(device) if platform.is_cuda else "cpu",
         "shape": args.shape,
@@ -198,40 +201,54 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "copy_bandwidth_GBps": bandwidth / 1e9,
-        "decode_tokens_per_s": decode_tps,
-        "roofline_share": decode_bytes(model, args.context, dtype) * decode_tps / bandwidth,
-        "verify_ratio": {k: t / timings["decode_s"] for k, t in timings["verify_s"].items()},
-        "cuda_graphs": False,
+        "runs": {},  # "graphs" (where the platform captures them) and "eager"
     }
+    modes = {"graphs": False, "eager": True} if platform.captures_graphs else {"eager": True}
+    for mode, eager in modes.items():
+        timings = engine_timings(model, platform, dtype, args.context, args.repeats, eager)
+        result["runs"][mode] = {
+            "decode_tokens_per_s": 1 / timings["decode_s"],
+            "roofline_share": read_bytes / timings["decode_s"] / bandwidth,
+            "verify_ratio": {k: t / timings["decode_s"] for k, t in timings["verify_s"].items()},
+        }
     del model
     release_memory()
-    result["output_tokens_per_s"] = {c: throughput(model_dir, args, c) for c in args.concurrency}
+    for mode, eager in modes.items():
+        result["runs"][mode]["output_tokens_per_s"] = {
+            c: throughput(model_dir, args, c, eager) for c in args.concurrency
+        }
     if not args.no_transformers:
         hf_s = transformers_decode_s(config, dtype, device, args.context, args.new_tokens)
         result["transformers_tokens_per_s"] = 1 / hf_s
-        result["vs_transformers"] = decode_tps * hf_s
+        for run in result["runs"].values():
+            run["vs_transformers"] = run["decode_tokens_per_s"] * hf_s
     return result
 
 
 def report(result: dict) -> str:
     lines = [
         f"{result['shape']} ({result['dtype']}, random weights) on {result['device']}, context "
-        f"{result['context']}, eager",
+        f"{result['context']}",
         f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s (read + written)",
-        f"batch-1 decode {result['decode_tokens_per_s']:.1f} tokens/s = "
-        f"{result['roofline_share']:.0%} of the roofline",
     ]
     if "transformers_tokens_per_s" in result:
         lines.append(
-            f"transformers eager generate (static cache) {result['transformers_tokens_per_s']:.1f} tokens/s: "
-            f"specserve {result['vs_transformers']:.2f}x"
+            f"transformers eager generate (static cache): {result['transformers_tokens_per_s']:.1f} tokens/s"
         )
-    ratios = result["verify_ratio"]
-    lines.append("T(k)/T(1): " + "  ".join(f"{k}: {r:.2f}" for k, r in ratios.items()))
-    lines.append(
-        f"output tokens/s at {result['input_len']} in / {result['output_len']} out, by concurrent requests: "
-        + "  ".join(f"{c}: {t:.0f}" for c, t in result["output_tokens_per_s"].items())
-    )
+    for mode, run in result["runs"].items():
+        lines.append(
+            f"[{mode}] batch-1 decode {run['decode_tokens_per_s']:.1f} tokens/s = "
+            f"{run['roofline_share']:.0%} of the roofline"
+            + (f", {run['vs_transformers']:.2f}x transformers" if "vs_transformers" in run else "")
+        )
+        lines.append(
+            f"[{mode}] T(k)/T(1): " + "  ".join(f"{k}: {r:.2f}" for k, r in run["verify_ratio"].items())
+        )
+        shape = f"{result['input_len']} in / {result['output_len']} out"
+        lines.append(
+            f"[{mode}] output tokens/s at {shape}, by concurrent requests: "
+            + "  ".join(f"{c}: {t:.0f}" for c, t in run["output_tokens_per_s"].items())
+        )
     return "\n".join(lines)
 
 
@@ -241,9 +258,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ks, ratios = zip(*sorted(result["verify_ratio"].items()))
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(ks, ratios, marker="o")
+    for mode, run in result["runs"].items():
+        ks, ratios = zip(*sorted(run["verify_ratio"].items()))
+        ax.plot(ks, ratios, marker="o", label=mode)
+    ax.legend()
     ax.set(
         xlabel="tokens verified (k)", ylabel="T(k) / T(1)", title=f"{result['shape']} on {result['device']}"
     )
