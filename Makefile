@@ -60,7 +60,8 @@ test-transformers-min: $(VENV_MIN)/.installed
 GPU_WHEELS := fla-core==0.6.0 einops==0.8.2 llguidance==1.9.1
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS) $(PIP_QUIET)
 
 gpu-check:
