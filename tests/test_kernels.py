@@ -100,8 +100,9 @@ def test_activation_quantization_equals_the_reference_bitwise(isa):
 @pytest.mark.parametrize("k,n,group", SHAPES)
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_every_path_equals_the_scalar_one_and_rows_do_not_depend_on_m(mode, k, n, group):
-    """Bitwise: each ISA path against the scalar path, and each row of an M-row call (M = 1..16, and a
-    prefill-sized 37) against that row computed alone; -1 (the best path, which may change with M) too."""
+    """Bitwise: each ISA path against the scalar path, and each row of an M-row call (M = 1..17, 32: one
+    pass of the AVX2 and AMX paths and past it, and a prefill-sized 37) against that row computed alone;
+    -1 (the best path, which may change with M) too."""
     weights = (random_int4(n, k, group),) if mode == "int4" else random_int8(n, k, group)
     bias = torch.randn(n)
     call = (int4_call if mode == "int4" else int8_call)(*weights, bias)
@@ -110,7 +111,7 @@ def test_every_path_equals_the_scalar_one_and_rows_do_not_depend_on_m(mode, k, n
     for isa in [*ISAS, -1]:
         alone = torch.cat([call(x[i : i + 1], isa) for i in range(len(x))])
         assert torch.equal(alone, scalar), f"path {isa} differs from the scalar one"
-        for m in [*range(1, 17), 37]:
+        for m in [*range(1, 18), 32, 37]:
             assert torch.equal(call(x[:m], isa), alone[:m]), f"path {isa}, M = {m}"
 
 

@@ -98,7 +98,7 @@ def _int8pack(weight: torch.Tensor):
     return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales).float()
 
 
-VNNI = kernels.ISA_NAMES.index("avx512_vnni")
+AVX2, VNNI = kernels.ISA_NAMES.index("avx2"), kernels.ISA_NAMES.index("avx512_vnni")
 
 
 def _on_path(layer: QuantizedLinear, isa: int):
@@ -110,8 +110,9 @@ def _on_path(layer: QuantizedLinear, isa: int):
 
 def bench_kernels(rounds: int, m_values: list[int]) -> dict:
     """ms per call of each linear kernel at each (shape, M), interleaved: fp32 oneDNN, int8 and int4 on
-    specserve's kernel (where built; with AMX, also on its VNNI path alone) and on torch's (int8 as two int4
-    planes; int4 at group sizes 32 and 128), torch's per-channel int8 kernel (for comparison)."""
+    specserve's kernel (where built; with AMX, also on its VNNI path alone; with AVX-512, also on the AVX2
+    path of CPUs without it) and on torch's (int8 as two int4 planes; int4 at group sizes 32 and 128),
+    torch's per-channel int8 kernel (for comparison); then each kernel's T(M)/T(1) per shape."""
     results: dict = {}
     for name, k, n in KERNEL_SHAPES:
         copies = max(1, CACHE_FLUSH_BYTES // (n * k * 4))
@@ -129,9 +130,13 @@ def bench_kernels(rounds: int, m_values: list[int]) -> dict:
         if ops is not None:
             calls_of["int8"] = [quantize_linear(w, None, "int8") for w in weights]
             calls_of["int4"] = [quantize_linear(w, None, "int4") for w in weights]
-            if kernels.isa_name() == "amx":  # the layers pick AMX from a few rows on: VNNI alone beside it
+            best = kernels.ISA_NAMES.index(kernels.isa_name())
+            # the layers pick AMX from a few rows on: VNNI alone beside it; AVX2 as CPUs without AVX-512 run
+            pinned = {"vnni": VNNI} if best > VNNI else {}
+            pinned |= {"avx2": AVX2} if best > AVX2 else {}
+            for path, isa in pinned.items():
                 for mode in ("int8", "int4"):
-                    calls_of[f"{mode} vnni"] = [_on_path(layer, VNNI) for layer in calls_of[mode]]
+                    calls_of[f"{mode} {path}"] = [_on_path(layer, isa) for layer in calls_of[mode]]
         del weights
         print(f"\n{name} {k}->{n}: ms per call, median of {rounds} (x = speed relative to fp32)", flush=True)
         results[name] = {}
@@ -151,6 +156,11 @@ def bench_kernels(rounds: int, m_values: list[int]) -> dict:
             results[name][m] = med
             cells = "  ".join(f"{kn} {v:8.3f} x{med['fp32'] / v:4.2f}" for kn, v in med.items())
             print(f"  M={m:4d}  {cells}", flush=True)
+        if 1 in results[name]:  # the cost of verifying M - 1 drafted tokens, per kernel
+            print(f"{name} T(M)/T(1):")
+            for kn, t1 in results[name][1].items():
+                cells = "  ".join(f"M={m} {med[kn] / t1:5.2f}" for m, med in results[name].items() if m > 1)
+                print(f"  {kn:16s} {cells}", flush=True)
     return results
 
 
