@@ -49,6 +49,23 @@ def test_a_cached_load_computes_what_a_fresh_one_does(
     assert greedy(model_dir, quantization) == fresh
 
 
+def test_weights_cached_for_the_kernels_are_not_read_without_them(tiny_model_dir, tmp_path, monkeypatch):
+    """A cache entry holds the kernels' layout: a process without them (SPECSERVE_NO_KERNELS=1, a machine
+    that cannot build them) loads from the source instead, and computes what torch's int4 layers compute."""
+    if kernels.ops() is None:
+        pytest.skip("specserve's kernels are not built here")
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECSERVE_AUTO_DTYPE", "float32")
+    monkeypatch.setattr(prepare, "MIN_CACHED_BYTES", 0)
+    model_dir = tiny_model_dir("qwen2")
+    greedy(model_dir, "int4")
+    assert cache_for(model_dir, "int4").exists()
+    monkeypatch.setenv(kernels.ENV_VAR, "1")
+    without_kernels = greedy(model_dir, "int4")
+    monkeypatch.setattr(prepare, "MIN_CACHED_BYTES", 1 << 60)  # no cache at all: the reference
+    assert greedy(model_dir, "int4") == without_kernels
+
+
 def test_the_key_follows_the_source_and_the_settings(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     model_dir = tiny_model_dir("qwen3")

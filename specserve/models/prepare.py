@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from specserve.cache_dir import cache_root, file_lock
+from specserve.layers import kernels
 from specserve.layers.quant import (
     DEFAULT_GROUP_SIZE,
     Int4Linear,
@@ -104,9 +105,10 @@ class PreparedWeights:
     def for_source(
         cls, source_files: list[Path], quantization: str, dtype: torch.dtype
     ) -> PreparedWeights | None:
-        """The cache entry for these source files, or None for a small model (quantized in under a second:
-        not worth the disk, and test models would only pile up there)."""
-        if sum(p.stat().st_size for p in source_files) < MIN_CACHED_BYTES:
+        """The cache entry for these source files, or None: for a small model (quantized in under a second:
+        not worth the disk, and test models would only pile up there), and without specserve's kernels
+        (the cache holds their layout; torch's int4 layers are rebuilt from the weights each time)."""
+        if sum(p.stat().st_size for p in source_files) < MIN_CACHED_BYTES or kernels.ops() is None:
             return None
         return cls(source_files, quantization, dtype)
 
