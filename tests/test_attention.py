@@ -37,21 +37,27 @@ class Setup:
     tables: list[list[int]]
     queries: torch.Tensor  # [NUM_SEQS, MAX_LEN, heads, head_dim]: the query of each (sequence, position)
 
-    def attend(self, pieces, sliding_window=None, logit_softcap=None, causal=True):
-        """pieces: (sequence, first position, rows) in one call -> {(sequence, position): output row}."""
-        query_start, positions, rows = [0], [], []
-        for seq, start, n in pieces:
+    def meta(self, pieces, causal=True, prompt_pieces=()) -> ForwardMetadata:
+        """pieces: (sequence, first position, rows), in one forward; `prompt_pieces`: indices of the pieces
+        that are prompt tokens only."""
+        query_start, positions = [0], []
+        for _, start, n in pieces:
             query_start.append(query_start[-1] + n)
             positions += range(start, start + n)
-            rows += [(seq, pos) for pos in range(start, start + n)]
-        meta = ForwardMetadata.build(
+        return ForwardMetadata.build(
             query_start,
             [start + n for _, start, n in pieces],
             [self.tables[seq] for seq, _, _ in pieces],
             torch.tensor(positions),
             BLOCK,
             causal=causal,
+            prompt_pieces=frozenset(prompt_pieces),
         )
+
+    def attend(self, pieces, sliding_window=None, logit_softcap=None, causal=True, prompt_pieces=()):
+        """The pieces attended in one call -> {(sequence, position): output row}."""
+        meta = self.meta(pieces, causal, prompt_pieces)
+        rows = [(seq, pos) for seq, start, n in pieces for pos in range(start, start + n)]
         q = torch.stack([self.queries[seq, pos] for seq, pos in rows]).to(self.cache.k.dtype)
         out = sdpa_paged_attention(q, self.cache, meta, 0.125, sliding_window, logit_softcap)
         return dict(zip(rows, out, strict=True))
@@ -90,10 +96,12 @@ def setup(request) -> Setup:
     return make_setup(*request.param)
 
 
-def assert_rows_as_alone(setup: Setup, pieces, sliding_window=None, logit_softcap=None, only=None):
+def assert_rows_as_alone(
+    setup: Setup, pieces, sliding_window=None, logit_softcap=None, only=None, prompt_pieces=()
+):
     """Every row of the call (or of the pieces of sequences `only`) is bitwise the row computed alone."""
     with torch.inference_mode():
-        together = setup.attend(pieces, sliding_window, logit_softcap)
+        together = setup.attend(pieces, sliding_window, logit_softcap, prompt_pieces=prompt_pieces)
         for (seq, pos), row in together.items():
             if only is None or seq in only:
                 alone = setup.alone(seq, pos, sliding_window, logit_softcap)
@@ -131,13 +139,27 @@ def test_window_and_softcap_rows_do_not_depend_on_the_batch(sliding_window, logi
     assert_rows_as_alone(setup, pieces, sliding_window, logit_softcap, only={0, 1, 2, 3, 4})
 
 
+def test_short_prompt_pieces_take_one_call_on_sdpa_and_other_rows_stay_as_alone(setup):
+    """Prompt pieces need no row invariance (speculation computes them alike): without the row kernel they
+    take one call each, however short (on it, row by row is cheaper); the decode and verification rows beside
+    them still get what they get alone."""
+    pieces = [(0, 40, 5), (6, 200, 30), (1, 300, 1), (7, 0, 2), (2, 7, 3)]
+    meta = setup.meta(pieces, prompt_pieces={1, 3})
+    on_sdpa, on_kernel = plan_of(meta, rows_on_kernel=False), plan_of(meta, rows_on_kernel=True)
+    assert [(p.start, p.end) for p in on_sdpa.long_pieces] == [(5, 35), (36, 38)]
+    assert on_sdpa.short.rows.tolist() == [0, 1, 2, 3, 4, 35, 38, 39, 40]
+    assert not on_kernel.long_pieces and on_kernel.short.rows.tolist() == list(range(41))
+    assert_rows_as_alone(setup, pieces, only={0, 1, 2}, prompt_pieces={1, 3})
+
+
 @pytest.mark.parametrize("sliding_window, logit_softcap", [(None, None), (8, None), (None, 20.0), (8, 20.0)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_path_matches_a_float64_reference(setup, sliding_window, logit_softcap, causal):
-    """Short rows, a prompt chunk's causal mask and window, and non-causal pieces (DSpark's draft blocks)."""
-    pieces = [(0, 0, 3), (1, 20, BATCHED_PIECE_MAX_LEN + 5), (2, 299, 1), (3, 40, 5)]
+    """Short rows, a prompt chunk's causal mask and window (a long one, and a short one taken whole), and
+    non-causal pieces (DSpark's draft blocks)."""
+    pieces = [(0, 0, 3), (1, 20, BATCHED_PIECE_MAX_LEN + 5), (2, 299, 1), (3, 40, 5), (4, 10, 12)]
     with torch.inference_mode():
-        out = setup.attend(pieces, sliding_window, logit_softcap, causal)
+        out = setup.attend(pieces, sliding_window, logit_softcap, causal, prompt_pieces={4})
     for seq, start, n in pieces:
         for pos in range(start, start + n):
             key_end = pos + 1 if causal else start + n
@@ -161,11 +183,10 @@ def test_bf16_rows_match_the_reference_and_do_not_depend_on_the_batch():
 
 def test_short_rows_take_the_kernel_where_it_is_built(rows_backend):
     setup = make_setup(64, 14, 2)
-    meta = ForwardMetadata.build([0, 1], [100], [setup.tables[0]], torch.tensor([99]), BLOCK)
     q = setup.queries[0, 99:100]
-    uses_kernel = attention._kernel_fits(q, setup.cache, plan_of(meta).short.kernel)
+    uses_kernel = attention._kernel_fits(q, setup.cache, kernels.ops())
     assert uses_kernel == (rows_backend == "kernel")
-    assert not attention._kernel_fits(q.double(), setup.cache, plan_of(meta).short.kernel)  # dtypes differ
+    assert not attention._kernel_fits(q.double(), setup.cache, kernels.ops())  # dtypes differ
 
 
 def test_kernel_rejects_keys_outside_the_block_table():

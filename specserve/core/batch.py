@@ -40,6 +40,11 @@ class ScheduledPiece:
         return self.num_tokens + self.num_drafts
 
     @property
+    def prompt_only(self) -> bool:
+        """Prompt tokens only, no drafts: computed alike with and without speculation."""
+        return self.draft is None and self.start + self.num_tokens <= len(self.seq.prompt_token_ids)
+
+    @property
     def reaches_end(self) -> bool:
         """True when the piece covers the sequence's last token, so the step samples a new one."""
         return self.start + self.num_tokens == self.seq.num_tokens

@@ -246,7 +246,9 @@ class LLMEngine:
         start = time.perf_counter()
         forward = self.runner.forward(
             [
-                PieceInput(p.token_ids, p.start, p.block_table, p.state_slot, p.draft is not None)
+                PieceInput(
+                    p.token_ids, p.start, p.block_table, p.state_slot, p.draft is not None, p.prompt_only
+                )
                 for p in batch.pieces
             ],
             layout.logit_rows,

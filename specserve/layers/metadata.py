@@ -76,6 +76,9 @@ class ForwardMetadata:
     causal: bool = True  # False: every query sees all of its sequence's keys (DSpark's draft blocks)
     state_slots: torch.Tensor | None = None  # [P] long: each piece's recurrent-state slot (hybrid models)
     checkpoints: StateCheckpoints | None = None  # pieces whose recurrent state may be rolled back
+    # Pieces of prompt tokens only: speculation never changes how they are computed, so they need no row
+    # invariance and attention takes each in one call, however short
+    prompt_pieces: frozenset[int] = frozenset()
     # Prebuilt from static device buffers (worker/cuda_graphs.py); None: a kernel derives it per forward
     piece_index: PieceIndex | None = None
     _derived: dict[Callable, Any] = field(default_factory=dict, repr=False)
@@ -91,6 +94,7 @@ class ForwardMetadata:
         causal: bool = True,
         state_slots: torch.Tensor | None = None,
         checkpoints: StateCheckpoints | None = None,
+        prompt_pieces: frozenset[int] = frozenset(),
     ) -> ForwardMetadata:
         num_pieces = len(context_lens)
         q_lens = [query_start[p + 1] - query_start[p] for p in range(num_pieces)]
@@ -107,6 +111,7 @@ class ForwardMetadata:
             causal=causal,
             state_slots=state_slots,
             checkpoints=checkpoints,
+            prompt_pieces=prompt_pieces,
         )
 
     @property

@@ -40,6 +40,7 @@ class PieceInput:
     block_table: list[int]
     state_slot: int | None = None  # the sequence's recurrent-state slot (hybrid models)
     checkpoint: bool = False  # keep what rolling back this piece's recurrent state needs (verification)
+    prompt: bool = False  # prompt tokens only: computed alike with and without speculation
 
 
 @dataclass
@@ -153,6 +154,7 @@ class ModelRunner:
             block_size=self.block_size,
             state_slots=slots,
             checkpoints=checkpoints,
+            prompt_pieces=frozenset(i for i, p in enumerate(pieces) if p.prompt),
         )
         meta, (tokens, logit_rows) = meta.to(
             self.device,
