@@ -3,8 +3,8 @@
 `resolve_platform(device)` turns the user's `device` ("auto": CUDA when torch sees a GPU, else the CPU;
 "cpu"; "cuda" or "cuda:N") into a `Platform` that the rest of the engine asks instead of testing the
 device itself: where tensors live, the dtype "auto" stands for, which kernels attend over the paged cache
-and run the Gated DeltaNet recurrence (`place` puts them into a model's layers), and what does not run
-there yet (`refusals`), and whether steps may replay CUDA graphs (`captures_graphs`).
+and run the Gated DeltaNet recurrence (models/prepare.py's `place` puts them into a model's layers), what
+does not run there yet (`refusals`), and whether steps may replay CUDA graphs (`captures_graphs`).
 
 On the CPU everything is as it always was: specserve's compiled kernels where they build (or torch's
 fallbacks). On CUDA, attention is specserve's Triton kernel (`layers/triton_attention.py`)
@@ -19,12 +19,8 @@ import re
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from specserve.errors import SpecserveError
-from specserve.layers.delta_rules import use_delta_rule
-from specserve.layers.huge_pages import place_on_huge_pages
-from specserve.layers.linear import pack_linears
 
 AUTO_DEVICE_ENV = "SPECSERVE_AUTO_DEVICE"
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -72,25 +68,6 @@ class Platform:
         if tensor_parallel_size > 1:
             refused.append("tensor parallelism")  # its process groups are gloo's
         return refused
-
-    def place(self, model: nn.Module) -> nn.Module:
-        """`model` (loaded, quantized, fused) made ready to run here; in place, returns `model`. The CPU:
-        oneDNN-packed fp32 linears (SPECSERVE_LINEAR=torch keeps nn.Linear) on huge pages; the layers'
-        kernels are the CPU's by default. CUDA: the weights on the GPU, its kernels installed into every
-        layer that has a seam for them (an attention layer's `attention_backend`, a Gated DeltaNet layer's
-        `delta_rule`)."""
-        if not self.is_cuda:
-            pack_linears(model)
-            place_on_huge_pages(model)
-            return model
-        from specserve.layers.triton_attention import triton_paged_attention
-
-        model.to(self.device)
-        for module in model.modules():
-            if hasattr(module, "attention_backend"):
-                module.attention_backend = triton_paged_attention
-        use_delta_rule(model, self.delta_rule)
-        return model
 
 
 CPU = Platform(torch.device("cpu"), "torch")

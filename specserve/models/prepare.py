@@ -30,6 +30,9 @@ from torch import nn
 
 from specserve.cache_dir import cache_root, file_lock
 from specserve.layers import kernels
+from specserve.layers.delta_rules import use_delta_rule
+from specserve.layers.huge_pages import place_on_huge_pages
+from specserve.layers.linear import pack_linears
 from specserve.layers.quant import (
     DEFAULT_GROUP_SIZE,
     Int4Linear,
@@ -67,7 +70,27 @@ def prepare_model(
             )
             cache.save(model)
     fuse_projections(model)
-    return platform.place(model)
+    return place(model, platform)
+
+
+def place(model: nn.Module, platform: Platform) -> nn.Module:
+    """`model` (loaded, quantized, fused) made ready to run on `platform`; in place, returns `model`. The
+    CPU: oneDNN-packed fp32 linears (SPECSERVE_LINEAR=torch keeps nn.Linear) on huge pages; the layers'
+    kernels are the CPU's by default. CUDA: the weights on the GPU, its kernels installed into every layer
+    that has a seam for them (an attention layer's `attention_backend`, a Gated DeltaNet layer's
+    `delta_rule`)."""
+    if not platform.is_cuda:
+        pack_linears(model)
+        place_on_huge_pages(model)
+        return model
+    from specserve.layers.triton_attention import triton_paged_attention
+
+    model.to(platform.device)
+    for module in model.modules():
+        if hasattr(module, "attention_backend"):
+            module.attention_backend = triton_paged_attention
+    use_delta_rule(model, platform.delta_rule)
+    return model
 
 
 def _code_fingerprint() -> str:
