@@ -38,9 +38,10 @@ lint: install
 test: lint
 	$(BIN)/pytest -q
 
-# The same suite on the fallbacks a machine without a compiler gets: torch's int4 kernel, SDPA attention.
+# The suite on the fallbacks a machine without a compiler gets (torch's int4 kernel, SDPA attention, torch's
+# row ops), less the tests that take no path the kernels change.
 test-no-kernels: install
-	SPECSERVE_NO_KERNELS=1 $(BIN)/pytest -q
+	SPECSERVE_NO_KERNELS=1 $(BIN)/pytest -q -m "not slow and not kernel_agnostic"
 
 # The model parity tests on the oldest transformers release pyproject.toml allows, in a venv of their own.
 VENV_MIN := .venv-transformers-min

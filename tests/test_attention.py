@@ -13,6 +13,8 @@ from specserve.layers import attention, kernels
 from specserve.layers.attention import BATCHED_PIECE_MAX_LEN, KVCache, plan_of, sdpa_paged_attention
 from specserve.layers.metadata import ForwardMetadata
 
+pytestmark = pytest.mark.kernel_agnostic
+
 BLOCK = 16
 MAX_LEN = 640
 NUM_SEQS = 8

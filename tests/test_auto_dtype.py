@@ -7,6 +7,8 @@ import pytest
 from specserve import auto_dtype as auto
 from specserve.config import EngineConfig, SpecserveError
 
+pytestmark = pytest.mark.kernel_agnostic
+
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
 flags\t\t: fpu sse2 avx2 fma {extra}

@@ -30,6 +30,8 @@ from specserve.local_port import free_local_port
 from tests.server_harness import running_server, wait_until
 from tests.tiny_models import SPECIAL_TOKENS, VOCAB, save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):

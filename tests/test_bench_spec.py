@@ -7,6 +7,8 @@ import pytest
 from specserve.bench.spec_decode import run_spec_benchmark
 from tests.tiny_models import save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):

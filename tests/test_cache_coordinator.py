@@ -18,6 +18,8 @@ from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec, Prefi
 from specserve.core.sequence import Sequence
 from specserve.engine.scheduler import Scheduler
 
+pytestmark = pytest.mark.kernel_agnostic
+
 BLOCK = 4
 TOKENS = list(range(10, 40))  # 30 tokens: 7 full blocks
 

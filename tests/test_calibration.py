@@ -3,6 +3,7 @@ engine's live per-position statistics and the online correction the scheduled po
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.spec_decode.calibration.offline import (
@@ -16,6 +17,8 @@ from specserve.spec_decode.calibration.offline import (
     save_temperatures,
 )
 from specserve.spec_decode.calibration.online import LiveCalibration, Recalibration
+
+pytestmark = pytest.mark.kernel_agnostic
 
 
 def overconfident_rounds(n: int = 4000, k: int = 4, true_temperature: float = 3.0, seed: int = 0):

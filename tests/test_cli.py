@@ -15,6 +15,8 @@ from specserve.cli import build_parser, parse_args
 PROBE = """
 import contextlib, io, json, sys
 from specserve.cli import main
+
+pytestmark = pytest.mark.kernel_agnostic
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:

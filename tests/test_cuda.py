@@ -24,6 +24,7 @@ from tests.test_lossless import (  # noqa: F401 (models, drafters: fixtures)
 )
 
 pytestmark = [
+    pytest.mark.kernel_agnostic,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA device"),
 ]

@@ -16,6 +16,8 @@ from specserve.platform import CPU, Platform, resolve_platform
 from specserve.worker.cuda_graphs import GraphConfig, buckets, graph_config, graph_refusal, pad_step
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
+pytestmark = pytest.mark.kernel_agnostic
+
 BLOCK = 4
 NUM_BLOCKS = 40
 STATIC = GraphConfig(max_tokens=24, max_pieces=6, max_blocks=8, capture=False)

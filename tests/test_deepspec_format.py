@@ -40,6 +40,8 @@ GEMMA4_BACKBONE = (
     "initializer_range", "max_position_embeddings", "num_key_value_heads", "num_kv_shared_layers",
     "rms_norm_eps", "rope_parameters", "use_double_wide_mlp", "final_logit_softcapping", "layer_types",
 )  # fmt: skip
+
+pytestmark = pytest.mark.kernel_agnostic
 # deepspec/modeling/dspark/{qwen3,gemma4}/config.py (build_draft_config) and the same packages' modeling.py
 # (the fields Qwen3DSparkModel / Gemma4DSparkModel assert or read); DFlash is the same classes at rank 0:
 DSPARK_FIELDS = (

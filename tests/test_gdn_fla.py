@@ -36,6 +36,7 @@ needs_fla = pytest.mark.skipif(
     find_spec("fla") is None or find_spec("triton") is None, reason="needs fla-core and triton"
 )
 pytestmark = [
+    pytest.mark.kernel_agnostic,
     # The interpreter computes masked-off lanes too (exp2 of a causal mask's excluded differences, inf * 0):
     # numpy warns, the kernels then select those lanes away as compiled code does.
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),

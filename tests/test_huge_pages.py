@@ -13,7 +13,10 @@ from specserve.models.loader import load_model
 from tests.paged_harness import PagedHarness
 from tests.test_quant import prompts
 
-pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages here")
+pytestmark = [
+    pytest.mark.kernel_agnostic,
+    pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages here"),
+]
 
 
 def moved(t: torch.Tensor) -> bool:

@@ -18,6 +18,8 @@ from tests.tiny_models import (
     save_tiny_mtp,
 )
 
+pytestmark = pytest.mark.kernel_agnostic
+
 PROMPTS = ["Answer:", "abcabcabc abcabc", "[1, 2, 3, 1, 2"]
 
 

@@ -21,6 +21,8 @@ from specserve.spec_decode.cost_profile import CostProfile
 from tests.drafter_formats import speculators_config, write_drafter
 from tests.tiny_models import save_tiny_drafter
 
+pytestmark = pytest.mark.kernel_agnostic
+
 V = 16
 PROMPT = [3, 7, 1, 12, 5]
 NUM_SAMPLES = 20_000  # the reference cases and the power check

@@ -22,6 +22,8 @@ from specserve.spec_decode.planner import (
 from specserve.spec_decode.rejection import build_verify_batch, rejection_sample
 from tests.test_profiler import serve_until_profiled
 
+pytestmark = pytest.mark.kernel_agnostic
+
 # Appendix A: SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45; target (0.7, 0.3) over tokens {A=0, B=1}; the
 # drafter samples uniformly; c1 = 1 and c2 = 1 if x1 = A else 0 (c2 depends on the sampled x1).
 APPENDIX_A = CostProfile(batch_tokens=[1, 2, 3], step_s=[1.0, 2.0, 1 / 0.45])

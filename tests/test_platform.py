@@ -16,6 +16,8 @@ from specserve.models.loader import load_model
 from specserve.platform import CPU, Platform, check_device, resolve_platform
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 @pytest.fixture
 def two_gpus(monkeypatch):

@@ -22,6 +22,8 @@ from specserve.models.gguf_header import GGUFHeader
 from specserve.preflight import check_before_loading
 from tests.test_loader import write_tiny_gguf
 
+pytestmark = pytest.mark.kernel_agnostic
+
 QWEN_1_5B = dict(
     hidden_size=1536,
     intermediate_size=8960,

@@ -12,6 +12,8 @@ from specserve.spec_decode.planner import DSparkPlanner, FixedPlanner
 from specserve.spec_decode.profiler import MAX_TARGET_POINTS, CostProfiler, coarse_grid
 from tests.test_speculative import repetitive_prompts
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 def test_the_grid_is_coarse_and_capped():
     assert coarse_grid(320) == [1, 4, 16, 64, 256, 320]

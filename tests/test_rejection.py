@@ -14,6 +14,8 @@ from specserve.layers.sampler import make_generator
 from specserve.spec_decode import rejection
 from specserve.spec_decode.rejection import PLACEHOLDER_TOKEN_ID, build_verify_batch, rejection_sample
 
+pytestmark = pytest.mark.kernel_agnostic
+
 N_DRAWS = 20_000
 ALPHA = 1e-3
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.kernel_agnostic
+
 ROOT = Path(__file__).resolve().parent.parent
 # What a user reads or runs: docs, recipes, sweep configs, the build.
 TEXT_SUFFIXES = {".md", ".sh", ".yaml", ".yml", ".toml", ".cfg"}

@@ -22,6 +22,8 @@ from specserve.layers.sampler import (
     target_probs,
 )
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 def _batch(params, vocab, prompts=None, outputs=None, generators=None, generator=None):
     m = len(params)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specserve.config import SamplingParams
 from specserve.core.block_manager import BlockManager
 from specserve.core.cache_coordinator import CacheCoordinator
@@ -9,6 +11,8 @@ from specserve.core.cache_groups import PagedEntry, PagedGroup
 from specserve.core.sequence import Sequence, SequenceStatus
 from specserve.engine.detokenizer import Detokenizer
 from specserve.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.kernel_agnostic
 
 
 def seq(name: str, prompt_len: int, **params) -> Sequence:

@@ -19,6 +19,8 @@ from tests.server_harness import (
 )
 from tests.tiny_models import save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 

@@ -24,6 +24,8 @@ from specserve.server.limits import ServerLimits
 from tests.server_harness import MODEL_NAME, make_client, running_server, sse_payloads, wait_until
 from tests.test_server_tools import HERMES_TEMPLATE, tiny_tool_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 MAX_MODEL_LEN = 1024
 MAX_CONSTRAINT_BYTES = 4096
 LIMITS = ServerLimits(max_constraint_bytes=MAX_CONSTRAINT_BYTES, grammar_compile_timeout_s=5.0)

@@ -24,6 +24,8 @@ from tests.server_harness import (
 )
 from tests.tiny_models import save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

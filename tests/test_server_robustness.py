@@ -25,6 +25,8 @@ from specserve.server.protocol import ChatCompletionRequest, FinishReason
 from tests.server_harness import running_server, sse_payloads, wait_until
 from tests.tiny_models import save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 MAX_MODEL_LEN = 256
 LIMITS = ServerLimits(
     max_request_body_bytes=64 * 1024,

@@ -20,6 +20,8 @@ from specserve.server.tool_calls import GEMMA, HERMES, ToolCallParser, tool_form
 from tests.server_harness import MODEL_NAME, make_client, running_server
 from tests.tiny_models import save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 # A Hermes-style template of our own for the tiny byte-tokenizer model (Qwen2.5's writes calls the same way).
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 <tools>

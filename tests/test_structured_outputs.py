@@ -21,6 +21,8 @@ from tests.server_harness import make_client
 from tests.test_lossless import chi_square_pvalue
 from tests.tiny_models import build_reference, save_byte_tokenizer, save_tiny_chat_model
 
+pytestmark = pytest.mark.kernel_agnostic
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},

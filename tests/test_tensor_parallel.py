@@ -30,6 +30,8 @@ from tests.tiny_models import (
     save_tiny_mtp,
 )
 
+pytestmark = pytest.mark.kernel_agnostic
+
 TP = 2
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(40, 70))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

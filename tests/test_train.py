@@ -22,6 +22,8 @@ from specserve.train.losses import dspark_loss
 from specserve.train.trainer import Sample, TrainConfig, Trainer, learning_rate
 from tests.tiny_models import VOCAB
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 def test_anchor_and_eval_mask_vectors():
     loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1])

@@ -22,6 +22,8 @@ from specserve.train.trainer import Sample, TrainConfig, Trainer
 from tests.test_dspark import bound, fake_target
 from tests.tiny_models import VOCAB
 
+pytestmark = pytest.mark.kernel_agnostic
+
 
 def make_model(tiny_model_dir, arch="qwen3", ttt_length=4, std=0.2):
     target, target_config, _ = load_model(str(tiny_model_dir(arch)))

@@ -21,7 +21,9 @@ from specserve.layers.attention import KVCache, sdpa_paged_attention  # noqa: E4
 from specserve.layers.metadata import ForwardMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []  # compiled on CUDA: part of the GPU tier
+pytestmark = [pytest.mark.kernel_agnostic] + (
+    [pytest.mark.gpu] if DEVICE == "cuda" else []
+)  # compiled on CUDA: the GPU tier
 MAX_LEN = 192
 NUM_SEQS = 6
 SCALE = 0.125
