@@ -11,12 +11,12 @@ import pytest
 
 from specserve.cli import build_parser, parse_args
 
+pytestmark = pytest.mark.kernel_agnostic
+
 # Runs the CLI in a fresh interpreter and reports what it printed and which heavy modules it imported.
 PROBE = """
 import contextlib, io, json, sys
 from specserve.cli import main
-
-pytestmark = pytest.mark.kernel_agnostic
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
