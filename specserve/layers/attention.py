@@ -151,10 +151,15 @@ def plan_of(meta: ForwardMetadata, rows_on_kernel: bool) -> AttentionPlan:
     return meta.derived(_kernel_plan if rows_on_kernel else _sdpa_plan)
 
 
+def _row_kernel(meta: ForwardMetadata) -> object | None:
+    """specserve's compiled kernels, or None: asked once a forward (`meta.derived`), not once a layer."""
+    return kernels.ops()
+
+
 def _kernel_plan(meta: ForwardMetadata) -> AttentionPlan:
     """Short prompt pieces row by row too: the kernel attends their rows for less than one masked SDPA call
     (16 x 30-token prompts on Qwen2.5-0.5B: 15 vs 45 ms over all layers)."""
-    return _build_plan(meta, kernels.ops(), whole=lambda p, q_len: q_len > BATCHED_PIECE_MAX_LEN)
+    return _build_plan(meta, meta.derived(_row_kernel), whole=lambda p, q_len: q_len > BATCHED_PIECE_MAX_LEN)
 
 
 def _sdpa_plan(meta: ForwardMetadata) -> AttentionPlan:
@@ -169,11 +174,13 @@ def _build_plan(
     meta: ForwardMetadata, kernel: object | None, whole: Callable[[int, int], bool]
 ) -> AttentionPlan:
     q_lens = meta.query_lens()
-    pieces = [p for p in range(meta.num_pieces) if q_lens[p]]  # empty pieces have no rows
-    short = [p for p in pieces if not whole(p, q_lens[p])]
+    short, long = [], []
+    for p in range(meta.num_pieces):
+        if q_lens[p]:  # empty pieces have no rows
+            (long if whole(p, q_lens[p]) else short).append(p)
     return AttentionPlan(
         short=_short_rows(meta, short, kernel) if short else None,
-        long_pieces=[_long_piece(meta, p) for p in pieces if whole(p, q_lens[p])],
+        long_pieces=[_long_piece(meta, p) for p in long],
     )
 
 
@@ -231,7 +238,8 @@ def sdpa_paged_attention(
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, n_heads, d] against the cache (new K/V already written) -> [N, n_heads, d_v]."""
-    plan = plan_of(meta, rows_on_kernel=logit_softcap is None and _kernel_fits(q, cache, kernels.ops()))
+    kernel = meta.derived(_row_kernel)
+    plan = plan_of(meta, rows_on_kernel=logit_softcap is None and _kernel_fits(q, cache, kernel))
     if plan.short is not None and not plan.long_pieces:  # every row is a short piece's, in order
         return _attend_rows(q, cache, plan.short, scale, sliding_window, logit_softcap)
     out = q.new_empty(q.shape[0], q.shape[1], cache.v.shape[-1])
