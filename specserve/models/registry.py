@@ -6,6 +6,7 @@ import importlib
 
 import torch
 
+from specserve.layers.meta_device import on_meta
 from specserve.models.base import CausalLM
 
 # model_type -> (module, class). Multimodal wrappers resolve to their text config first (see text_config_of).
@@ -46,7 +47,7 @@ def model_skeleton(config) -> CausalLM:
     the checks before loading read)."""
     config = text_config_of(config)
     model_cls = model_class(config)
-    with torch.device("meta"):
+    with on_meta():
         return model_cls(config)
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpecserveError
+from specserve.layers.meta_device import on_meta
 
 # Config fields that count heads or channels split across ranks (top level and per-layer overrides).
 SPLIT_FIELDS = (
@@ -137,7 +138,7 @@ def _declared_segments(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 def full_parameter_shapes(model_cls, config) -> dict[str, torch.Size]:
     """Parameter shapes of the unsharded model, built on the meta device (no memory)."""
-    with torch.device("meta"):
+    with on_meta():
         model = model_cls(config)
     return {name: p.shape for name, p in model.named_parameters()}
 

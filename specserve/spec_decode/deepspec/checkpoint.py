@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import SpecserveError
+from specserve.layers.meta_device import on_meta
 from specserve.models.base import CausalLM
 from specserve.models.loader import resolve_model
 from specserve.models.weight_files import iter_checkpoint_tensors
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 def build_draft_model(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DraftModel:
     """Uninitialised storage for every tensor (filled by a checkpoint or `init_draft_weights`)."""
     model_class = DSparkDraftModel if isinstance(config, DSparkConfig) else Eagle3DraftModel
-    with torch.device("meta"):
+    with on_meta():
         model = model_class(config)
     return model.to_empty(device="cpu").to(dtype).eval()
 

@@ -22,6 +22,7 @@ from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedGroup
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
+from specserve.layers.meta_device import on_meta
 from specserve.layers.metadata import ForwardMetadata
 from specserve.models.gemma import GemmaForCausalLM
 from specserve.models.gemma4_assistant import KV_SOURCE, Gemma4Assistant
@@ -68,7 +69,7 @@ class Gemma4AssistantDrafter(Drafter):
             )
         if target.platform.is_cuda:
             raise SpecserveError(f"{source}: a Gemma 4 assistant runs on the CPU only for now (--device cpu)")
-        with torch.device("meta"):
+        with on_meta():
             model = Gemma4Assistant(config)
         model = model.to_empty(device="cpu").to(target.torch_dtype).eval()
         model.load_weights(iter_checkpoint_tensors(directory), str(directory))
