@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from specserve.config import SpecserveError
+from specserve.layers import kernels
 from specserve.layers.gated_deltanet import (
     RECURRENT_MAX_LEN,
     GatedDeltaNet,
@@ -234,7 +235,17 @@ def layer_inputs(layer, lengths: list[int], seed: int) -> list[torch.Tensor]:
     return [torch.randn(n, layer.in_proj_qkv.in_features, generator=gen) for n in lengths]
 
 
-def test_verified_tokens_equal_tokens_decoded_alone(fam):
+@pytest.fixture(params=["compiled", "torch"])
+def recurrence(request, monkeypatch):
+    """The short pieces' recurrence on specserve's compiled kernel, then on torch ops."""
+    if request.param == "torch":
+        monkeypatch.setenv(kernels.ENV_VAR, "1")
+    elif kernels.ops() is None:
+        pytest.skip("specserve's kernels are not built here")
+    return request.param
+
+
+def test_verified_tokens_equal_tokens_decoded_alone(fam, recurrence):
     layer = packed_linear_layer(fam)
     prefix_a, verify_a, prefix_b, decode_b, prompt_c = layer_inputs(layer, [9, 5, 3, 1, 40], seed=7)
     state = layer.state_spec().allocate(4, torch.float32)
@@ -249,7 +260,7 @@ def test_verified_tokens_equal_tokens_decoded_alone(fam):
         assert torch.equal(state.conv[slot], plain.conv[slot])
 
 
-def test_rollback_replays_bitwise(fam):
+def test_rollback_replays_bitwise(fam, recurrence):
     layer = packed_linear_layer(fam)
     prefix_a, prefix_b, verify_a, verify_b = layer_inputs(layer, [9, 4, 5, 8], seed=8)
     base = layer.state_spec().allocate(2, torch.float32)

@@ -11,18 +11,22 @@ recurrence token by token, all of them advancing together; longer ones (prefill 
 (WY) form, where a chunk's updates are one triangular solve and only the state passes between chunks.
 
 Batch invariance: a token's output and state must not depend on the other pieces of the call, so that a
-verified token equals the same token decoded alone. The recurrent path uses elementwise ops and per-piece
-[1, d_k] x [d_k, d_v] matmuls (one kernel call per piece and head, whatever the batch; the tests check it at
-real shapes); the per-head gates (beta, g, exp g) are computed in float64 because fp32 sigmoid / softplus
-round differently in a kernel's SIMD body and its scalar tail, and an [N, heads] tensor puts a row in either
-depending on N. (Rows of conv_dim and heads * d_v, multiples of 32 in every released config, stay in the
-SIMD body.)
+verified token equals the same token decoded alone. On the CPU with specserve's kernels built, the
+recurrent path is one compiled call a layer (kernels/delta_rule.cpp: a head's state is read and written once
+for all of a piece's tokens, each column's sums in index order, so every piece is computed alone); without
+them it uses elementwise ops and per-piece [1, d_k] x [d_k, d_v] matmuls (one kernel call per piece and
+head, whatever the batch; the tests check it at real shapes). The two agree to fp32 rounding, not bitwise;
+a process uses one of them throughout. The per-head gates (beta, g, exp g) are computed in float64 because
+fp32 sigmoid / softplus round differently in a kernel's SIMD body and its scalar tail, and an [N, heads]
+tensor puts a row in either depending on N. (Rows of conv_dim and heads * d_v, multiples of 32 in every
+released config, stay in the SIMD body.)
 
 Rollback: a verification piece whose drafts are rejected must leave its slot at the state after the accepted
 prefix. When asked (`StateCheckpoints`), each layer keeps the piece's pre-piece state (the fp32 [heads, d_k,
 d_v] one dominates: 1 MiB at Qwen3.5-0.8B shapes), its conv inputs and, per token, the key, decay and delta
-of the state's rank-1 update; `GatedDeltaNet.rollback` replays the kept prefix's updates (two elementwise
-passes a token, no matmul), which gives bitwise the state the forward held there.
+of the state's rank-1 update; `GatedDeltaNet.rollback` replays the kept prefix's updates (no matmul; the
+compiled kernel's replay reads the state once and writes it once), with the arithmetic of the forward that
+recorded them, which gives bitwise the state the forward held there.
 
 Backends: the delta-rule core (the recurrence, its chunked form, the rollback replay) is the one part that
 differs by device, so each layer holds a `DeltaRule` the platform chooses (`delta_rules.py`): "torch" (this
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers import kernels
 from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.mlp import activation
 from specserve.layers.norm import GatedRMSNorm
@@ -100,9 +105,10 @@ class StateRecord:
 class RankOneUpdates:
     """TorchDeltaRule's record of the checkpointed pieces' tokens ([C, T, ...], padded)."""
 
-    k: torch.Tensor  # [C, T, heads, d_k] post-conv, normalised, one per value head
+    k: torch.Tensor  # [C, T, heads, d_k] post-conv, normalised (the compiled path: key heads only)
     decay: torch.Tensor  # [C, T, heads] exp(g)
     deltas: torch.Tensor  # [C, T, heads, d_v] the recurrence's rank-1 updates
+    compiled: Any  # the kernels that computed them (torch.ops.specserve), or None: torch ops did
 
 
 @dataclass
@@ -112,6 +118,7 @@ class PieceRows:
     pieces: torch.Tensor  # [G]
     rows: torch.Tensor  # [G, T]
     valid: torch.Tensor  # [G, T]
+    starts: list[int]  # each piece's first flat row
     lengths: list[int]
     flat: torch.Tensor  # [sum of lengths] the same rows back to back, unpadded (varlen kernels)
     cu_seqlens: torch.Tensor  # [G + 1] where each piece starts in `flat`
@@ -134,6 +141,7 @@ class PieceRows:
             pieces=torch.tensor(pieces, device=device),
             rows=rows.to(device),
             valid=valid.to(device),
+            starts=starts.tolist(),
             lengths=lengths.tolist(),
             flat=rows[valid].to(device),
             cu_seqlens=cu_seqlens.to(device),
@@ -159,6 +167,7 @@ class RecurrentLayout:
     short: PieceRows | None  # recurrent form
     long: PieceRows | None  # chunked form, padded to whole chunks
     checkpointed: PieceRows | None
+    compiled: Any  # specserve's kernels for the recurrent form (torch.ops.specserve), or None
 
     @classmethod
     def build(cls, meta: ForwardMetadata, kernel_size: int) -> RecurrentLayout:
@@ -185,6 +194,7 @@ class RecurrentLayout:
             short=PieceRows.build(short, qs, device),
             long=PieceRows.build(long, qs, device, pad_to=CHUNK),
             checkpointed=PieceRows.build(checkpointed, qs, device),
+            compiled=kernels.ops() if device.type == "cpu" else None,
         )
 
 
@@ -314,8 +324,9 @@ class DeltaRule(Protocol):
 
 
 class TorchDeltaRule:
-    """The delta rule in torch ops (runs anywhere; the CPU's): short pieces token by token, long ones in
-    the chunked form, a rollback by replaying the kept rank-1 updates (the module docstring says why)."""
+    """The delta rule in torch ops (runs anywhere; the CPU's): short pieces token by token (on the compiled
+    kernel where the layout has one), long ones in the chunked form, a rollback by replaying the kept rank-1
+    updates (the module docstring says why)."""
 
     def forward(
         self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
@@ -323,7 +334,10 @@ class TorchDeltaRule:
         heads = x.v.shape[1]
         q, k = repeat_heads(x.q, heads), repeat_heads(x.k, heads)
         out, updates = x.v.new_empty(x.v.shape), None
-        if layout.short is not None:
+        compiled = layout.compiled if not (torch.is_grad_enabled() and x.v.requires_grad) else None
+        if layout.short is not None and compiled is not None:
+            updates = self._compiled_short(compiled, x, ssm0, layout, pool, out, keep)
+        elif layout.short is not None:
             rows, valid, pieces = layout.short.rows, layout.short.valid, layout.short.pieces
             s, o, deltas = recurrent_delta_rule(
                 rows_of(ssm0, pieces), q[rows], k[rows], x.v[rows], x.decay[rows], x.beta[rows], valid
@@ -341,17 +355,38 @@ class TorchDeltaRule:
         return out, updates
 
     @staticmethod
+    def _compiled_short(compiled, x, ssm0, layout, pool, out, keep) -> RankOneUpdates | None:
+        """The short pieces in one call of the compiled recurrence (kernels/delta_rule.cpp), which reads
+        the key heads as they are; with `keep`, the checkpointed pieces' keys, decays and deltas."""
+        short = layout.short
+        deltas = torch.empty_like(out) if keep else None
+        compiled.delta_rule_recurrent(
+            ssm0, pool, short.pieces, layout.slots[short.pieces], short.starts, short.lengths,
+            x.q, x.k.contiguous(), x.v.contiguous(), x.decay, x.beta, out, deltas,
+        )  # fmt: skip
+        if not keep:
+            return None
+        kept = layout.checkpointed.rows
+        return RankOneUpdates(k=x.k[kept], decay=x.decay[kept], deltas=deltas[kept], compiled=compiled)
+
+    @staticmethod
     def _updates(layout, k, decay, deltas) -> RankOneUpdates:
         """The checkpointed pieces' keys, decays and deltas (all of them are short pieces)."""
         kept = layout.checkpointed
         short_index = {p: i for i, p in enumerate(layout.short.pieces.tolist())}
         which = torch.tensor([short_index[p] for p in kept.pieces.tolist()], device=deltas.device)
         return RankOneUpdates(
-            k=k[kept.rows], decay=decay[kept.rows], deltas=deltas[which, : kept.rows.shape[1]]
+            k=k[kept.rows], decay=decay[kept.rows], deltas=deltas[which, : kept.rows.shape[1]], compiled=None
         )
 
     def replay(self, pool: torch.Tensor, record: StateRecord, keeps: dict[int, int]) -> None:
         u = record.updates
+        if u.compiled is not None:
+            which = list(keeps)
+            u.compiled.delta_rule_replay(
+                pool, record.slots, record.ssm, u.k, u.decay, u.deltas, which, [keeps[i] for i in which]
+            )
+            return
         for i, kept in keeps.items():
             ssm = pool[int(record.slots[i])]
             ssm.copy_(record.ssm[i])

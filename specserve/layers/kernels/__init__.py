@@ -1,6 +1,7 @@
 """The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp), the
 attention of decode and verification rows from the paged KV cache (attention.cpp), and the row-wise steps
-between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations).
+between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations), and Gated
+DeltaNet's recurrence for short pieces with its rollback (delta_rule.cpp).
 
 The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
 into the specserve cache directory, keyed by the sources, torch and Python versions; later processes load
@@ -16,6 +17,8 @@ The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 
     paged_attention_rows(q, k_cache, v_cache, rows, tables, pieces, positions, key_ends, window, scale)
     rms_norm(x, weight, eps, offset), add_rms_norm(x, residual, weight, eps, offset) -> (sum, normed)
     rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots), gated_activation(gate, up, act)
+    delta_rule_recurrent(state0, pool, index, slots, starts, lengths, q, k, v, decay, beta, out, deltas, isa)
+    delta_rule_replay(pool, slots, state0, k, decay, deltas, which, kept, isa)
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import torch
 from specserve.cache_dir import cache_root, file_lock
 
 ENV_VAR = "SPECSERVE_NO_KERNELS"
-SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp", "rows.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp", "rows.cpp", "delta_rule.cpp")
+]
 HEADERS = [Path(__file__).with_name("vec.h")]
 NAME = "specserve_qlinear"
 # -ffp-contract=off: no fused multiply-adds but the written ones, so every path rounds alike. -fopenmp:
