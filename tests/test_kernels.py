@@ -192,6 +192,67 @@ def test_layer_on_the_kernel_against_the_dequantized_fp32_matmul(mode):
     assert ((y - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.01
 
 
+def stacked_experts(mode: str, experts: int, n: int, k: int, group: int):
+    """(each expert's own call, the grouped op's stacked buffers) for random experts of one shape."""
+    calls, buffers = [], []
+    for e in range(experts):
+        if mode == "int4":
+            w = random_int4(n, k, group, seed=e)
+            calls.append(int4_call(w))
+            buffers.append((pack_int4_codes(w.q), *pack_int4_scales(w)))
+        else:
+            q, scales = random_int8(n, k, group, seed=e)
+            calls.append(int8_call(q, scales))
+            buffers.append((pack_int8_codes(q), pack_groups(scales)))
+    return calls, [torch.stack(parts) for parts in zip(*buffers, strict=True)]
+
+
+def grouped_op(mode: str):
+    return ops.int4_grouped_linear if mode == "int4" else ops.int8_grouped_linear
+
+
+@pytest.mark.parametrize("k,n,group", SHAPES)
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_grouped_call_equals_each_expert_s_own_call(mode, k, n, group, torch_threads):
+    """Rows sorted by expert (expert 2 never gets one), M = 0..17 and 37: bitwise each expert's own call
+    over its rows, on every path but AMX (which grouped calls do not take) and the automatic one, on 1 and
+    2 threads."""
+    experts = 5
+    calls, stacked = stacked_experts(mode, experts, n, k, group)
+    x = inputs(37, k)
+    g = torch.Generator().manual_seed(2)
+    for m in [*range(18), 37]:
+        ids = torch.randint(0, experts, (m,), generator=g)
+        ids[ids == 2] = 3
+        counts = torch.bincount(ids, minlength=experts)
+        parts = x[:m].split(counts.tolist())
+        want = torch.cat([calls[e](part, 0) for e, part in enumerate(parts)])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for isa in [*[i for i in ISAS if i < 3], -1]:
+                got = grouped_op(mode)(x[:m], counts, *stacked, isa)
+                assert torch.equal(got, want), f"path {isa}, M = {m}, {threads} threads"
+
+
+def test_grouped_call_checks():
+    _, stacked = stacked_experts("int4", 2, 16, 64, 32)
+    grouped = grouped_op("int4")
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="counts add up to 2 rows, x has 3"):
+        grouped(x, torch.tensor([1, 1]), *stacked)
+    with pytest.raises(RuntimeError, match="counts: int64"):
+        grouped(x, torch.tensor([1, 2], dtype=torch.int32), *stacked)
+    with pytest.raises(RuntimeError, match="negative count"):
+        grouped(x, torch.tensor([-1, 4]), *stacked)
+    with pytest.raises(RuntimeError, match="codes do not match"):
+        grouped(torch.randn(3, 96), torch.tensor([1, 2]), *stacked)
+    with pytest.raises(RuntimeError, match="one number of experts"):
+        grouped(x, torch.tensor([1, 2]), stacked[0], stacked[1][:1], stacked[2])
+    if ops.best_isa() == 3:
+        with pytest.raises(RuntimeError, match="no AMX path"):
+            grouped(x, torch.tensor([1, 2]), *stacked, 3)
+
+
 def test_empty_input_and_shape_checks():
     call = int4_call(random_int4(16, 64, 32))
     assert call(torch.zeros(0, 64)).shape == (0, 16)

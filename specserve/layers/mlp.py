@@ -35,7 +35,10 @@ class GatedMLP(nn.Module):
         self.kernel_act = _KERNEL_ACTIVATIONS.get(act) if kernels.ops() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(self.activate(*project(x, self.gate_proj, self.up_proj)))
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, row by row (rows.cpp's kernel where it takes them)."""
         if self.kernel_act is not None and gate.dim() == 2 and kernels.rows_take(gate, up):
-            return self.down_proj(torch.ops.specserve.gated_activation(gate, up, self.kernel_act))
-        return self.down_proj(self.act(gate) * up)
+            return torch.ops.specserve.gated_activation(gate, up, self.kernel_act)
+        return self.act(gate) * up

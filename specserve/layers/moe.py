@@ -1,7 +1,12 @@
 """Sparse mixture-of-experts feed-forward: top-k routing and a flat-batch expert dispatch.
 
-Tokens are grouped by expert (one sort), each expert that received tokens runs once over its rows, and the
-weighted results are added back with index_add: one Python iteration per *active expert*, never per token.
+Tokens are grouped by expert (one sort) and the weighted results added back with one index_add, in the
+sorted order: each token's terms in the order of its experts' ids. In between, on specserve's kernels
+(quantized experts, `Experts.stack_experts`), every expert's rows go through each projection in one
+grouped kernel call, so a verification block of k + 1 rows reads each routed expert once and pays one call
+a projection; otherwise each expert that received rows runs once over them: one Python iteration per
+*active expert*, never per token. Both give each row bitwise the same result (the kernels are
+row-invariant).
 """
 
 from __future__ import annotations
@@ -9,7 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.layers import kernels
+from specserve.layers.fusion import Fusion
 from specserve.layers.mlp import GatedMLP
+from specserve.layers.quant import StackedLinears, stack_layers, stackable
 
 
 def route_topk(
@@ -28,21 +36,53 @@ class Experts(nn.ModuleList):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__(GatedMLP(hidden_size, intermediate_size, act) for _ in range(num_experts))
+        self.stacks: tuple[StackedLinears, StackedLinears] | None = None  # gate|up, down (`stack_experts`)
+        self.gate_up_sizes: list[int] = []
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H]; weights, ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]."""
         top_k = ids.shape[1]
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=len(self)).tolist()
+        counts = torch.bincount(flat_ids, minlength=len(self))
         token_of = order // top_k
-        weight_of = weights.flatten()[order]
+        rows = x[token_of]  # sorted by expert: counts[e] rows for expert e
+        if self.stacks is not None and x.dim() == 2 and kernels.rows_take(rows):
+            y = self._grouped(rows, counts)
+        else:
+            y = self._looped(rows, counts.tolist())
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self, counts, strict=True):
-            if count:
-                rows = token_of[start : start + count]
-                y = expert(x[rows]) * weight_of[start : start + count, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-            start += count
-        return out
+        return out.index_add_(0, token_of, (y * weights.flatten()[order, None]).to(out.dtype))
+
+    def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert over its rows, one call each."""
+        parts = [expert(part) for expert, part in zip(self, rows.split(counts), strict=True) if len(part)]
+        return torch.cat(parts) if parts else rows
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All experts over their rows, one grouped kernel call a projection."""
+        gate_up, down = self.stacks
+        gate, up = gate_up(rows, counts).split_with_sizes(self.gate_up_sizes, dim=-1)
+        return down(self[0].activate(gate, up), counts)
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' projections for grouped calls (`quant.stack_layers`; no memory is added) once
+        they are quantized on specserve's kernel with gate and up fused, as `quant.fuse_projections` leaves
+        them; else they keep running one by one. Returns whether they are stacked. The stacked buffers are
+        registered (not saved with the model) so that moving the weights (layers/huge_pages.py) finds them."""
+        if self.stacks is not None:
+            return True
+        fusions = [getattr(expert.gate_proj, "fusion", None) for expert in self]
+        if not all(
+            isinstance(f, Fusion) and f.members == (e.gate_proj, e.up_proj) for f, e in zip(fusions, self)
+        ):
+            return False
+        downs = [expert.down_proj for expert in self]
+        if not (stackable(fusions) and stackable(downs)):
+            return False
+        self.stacks = (stack_layers(fusions), stack_layers(downs))
+        self.gate_up_sizes = fusions[0].sizes
+        for which, stacked in zip(("gate_up", "down"), self.stacks, strict=True):
+            for name, tensor in zip(stacked.names, stacked.buffers, strict=True):
+                self.register_buffer(f"stacked_{which}_{name}", tensor, persistent=False)
+        return True

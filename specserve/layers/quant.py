@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -511,13 +512,64 @@ def side_by_side(layers: Sequence[QuantizedLinear]) -> QuantizedLinear | None:
         parts = [torch.zeros(x.out_features) if x.bias is None else x.bias.detach().float() for x in layers]
         bias = torch.cat(parts)
     fused = type(first).from_kernel_buffers(buffers, first.in_features, first.group_size, bias)
+    _point_at_parts(layers, buffers)
+    return fused
+
+
+def _point_at_parts(layers: Sequence[QuantizedLinear], buffers: dict[str, torch.Tensor]) -> None:
+    """Re-point each of `layers` at its tiles of `buffers`, which hold their buffers side by side."""
     start = 0
     for layer in layers:
         tiles = slice(start, start + layer.out_features // N_MULTIPLE)
-        for name in first.KERNEL_BUFFERS:
+        for name in layer.KERNEL_BUFFERS:
             setattr(layer, name, buffers[name][tiles])
         start = tiles.stop
-    return fused
+
+
+@dataclass(eq=False)
+class StackedLinears:
+    """E layers of one kind and shape whose kernel buffers are stacked along a new first dimension
+    (`stack_layers`). `(x, counts)`: the rows of x sorted by layer, counts[e] (int64 [E]) of them for layer
+    e, each through its layer, in one call of the grouped kernel; each row's output is bitwise the one its
+    layer gives it alone. A mixture-of-experts layer's routed experts run so (layers/moe.py)."""
+
+    names: tuple[str, ...]  # of the buffers, in the kernel's argument order
+    buffers: tuple[torch.Tensor, ...]  # each [E, N / 16, ...]
+    int4: bool
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.specserve
+        return (ops.int4_grouped_linear if self.int4 else ops.int8_grouped_linear)(x, counts, *self.buffers)
+
+
+def stackable(layers: Sequence[nn.Module]) -> bool:
+    """Whether `stack_layers` takes these layers (or fusions' layers): one kind, shape and group size, all on
+    specserve's kernel, without biases (the grouped kernel adds none)."""
+    layers = [layer.layer if isinstance(layer, Fusion) else layer for layer in layers]
+    first = layers[0]
+    return isinstance(first, Int4Linear | Int8Linear) and all(
+        type(layer) is type(first)
+        and layer.on_kernel
+        and layer.bias is None
+        and (layer.in_features, layer.out_features, layer.group_size)
+        == (first.in_features, first.out_features, first.group_size)
+        for layer in layers
+    )
+
+
+def stack_layers(parts: Sequence[QuantizedLinear | Fusion]) -> StackedLinears:
+    """Layers (or fusions, whose layer is taken) that are `stackable`, as one `StackedLinears`. Each layer is
+    re-pointed at its slice of the stacked buffers (and a fusion's members at theirs): no memory is added
+    and each still works alone."""
+    layers = [part.layer if isinstance(part, Fusion) else part for part in parts]
+    names = layers[0].KERNEL_BUFFERS
+    stacked = {name: torch.stack([getattr(layer, name) for layer in layers]) for name in names}
+    for e, (part, layer) in enumerate(zip(parts, layers, strict=True)):
+        for name in names:
+            setattr(layer, name, stacked[name][e])
+        if isinstance(part, Fusion):
+            _point_at_parts(part.members, {name: getattr(layer, name) for name in names})
+    return StackedLinears(names, tuple(stacked[name] for name in names), isinstance(layers[0], Int4Linear))
 
 
 def group_size_for(in_features: int, out_features: int, wanted: int = DEFAULT_GROUP_SIZE) -> int | None:
@@ -611,7 +663,9 @@ def quantize_model(
 
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every group a module names in `FUSED_PROJECTIONS` whose layers `side_by_side` can put in one
-    (layers/fusion.py); returns how many groups were fused. Groups fused already are left as they are."""
+    (layers/fusion.py); returns how many groups were fused. Groups fused already are left as they are.
+    Then modules that compute several layers of one shape in one grouped call (a mixture-of-experts
+    layer's experts: `stack_experts`) stack them, once their own projections are fused."""
     count = 0
     for module in list(model.modules()):
         for names in getattr(module, "FUSED_PROJECTIONS", ()):
@@ -626,4 +680,8 @@ def fuse_projections(model: nn.Module) -> int:
                 for layer in layers:
                     layer.fusion = fusion
                 count += 1
+    for module in list(model.modules()):
+        stack = getattr(module, "stack_experts", None)
+        if stack is not None:
+            stack()
     return count

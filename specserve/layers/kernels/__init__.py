@@ -13,6 +13,8 @@ kernel (specserve/layers/quant.py) and attention torch's SDPA (specserve/layers/
 The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI,
 3 AMX):
     int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
+    int4_grouped_linear(x, counts, codes, scales, supers, isa=-1), int8_grouped_linear(x, counts, codes,
+        scales, isa=-1): buffers of E layers stacked [E, ...], x's rows sorted by layer, counts[e] for layer e
     quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), parallel_threads()
     paged_attention_rows(q, k_cache, v_cache, rows, tables, pieces, positions, key_ends, window, scale)
     rms_norm(x, weight, eps, offset), add_rms_norm(x, residual, weight, eps, offset) -> (sum, normed)

@@ -620,30 +620,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   return quantize_rows_padded(x, isa, x.size(0), false);
 }
 
+// One weight's layout, checked against K: where a call finds each output tile's codes and scales.
 // int4: `scales` is the groups' bytes (uint8 [N/16, K/G, 32]) and `supers` d, dmin (fp16 [N/16, S, 32]);
 // int8: `scales` fp16 [N/16, K/G, 16].
+struct Layout {
+  bool int4;
+  int64_t tiles, groups, super_groups, tile_bytes;
+  int gshift;
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const uint16_t* supers;
+
+  Layout(bool int4, int64_t k, const at::Tensor& codes, const at::Tensor& scales,
+         const c10::optional<at::Tensor>& supers)
+      : int4(int4) {
+    TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.is_contiguous(),
+                "codes: packed [N/16, _, 64]");
+    const int64_t width = int4 ? 2 * kTile : kTile;
+    TORCH_CHECK(scales.dim() == 3 && scales.size(2) == width &&
+                    scales.scalar_type() == (int4 ? at::kByte : at::kHalf) && scales.is_contiguous(),
+                int4 ? "scales: uint8 [N/16, K/G, 32]" : "scales: fp16 [N/16, K/G, 16]");
+    tiles = codes.size(0);
+    TORCH_CHECK(codes.size(1) * (int4 ? 8 : 4) == k, "codes do not match K = ", k);
+    groups = scales.size(1);
+    TORCH_CHECK(scales.size(0) == tiles && groups > 0 && k % groups == 0, "scales do not match the codes");
+    const int64_t per_group = k / groups / kBlock;
+    TORCH_CHECK(per_group > 0 && (per_group & (per_group - 1)) == 0 && per_group * kBlock * groups == k,
+                "group size must be 32 times a power of two");
+    super_groups = (groups + kGroupsPerSuper - 1) / kGroupsPerSuper;
+    if (int4)
+      TORCH_CHECK(supers && supers->dim() == 3 && supers->size(0) == tiles &&
+                      supers->size(1) == super_groups && supers->size(2) == 2 * kTile &&
+                      supers->scalar_type() == at::kHalf && supers->is_contiguous(),
+                  "supers: fp16 [N/16, ceil(K/G / 8), 32]");
+    gshift = __builtin_ctzll(per_group);
+    tile_bytes = codes.size(1) * 64;
+    this->codes = static_cast<const uint8_t*>(codes.data_ptr());
+    this->scales = static_cast<const uint8_t*>(scales.data_ptr());
+    this->supers = int4 ? reinterpret_cast<const uint16_t*>(supers->data_ptr<at::Half>()) : nullptr;
+  }
+
+  Weights tile(int64_t t) const {
+    Weights w{codes + t * tile_bytes, nullptr, nullptr, nullptr, gshift};
+    if (int4) {
+      w.groups = scales + t * groups * 2 * kTile;
+      w.supers = supers + t * super_groups * 2 * kTile;
+    } else {
+      w.scales = reinterpret_cast<const uint16_t*>(scales) + t * groups * kTile;
+    }
+    return w;
+  }
+};
+
+// Output tiles (of 16 columns) a thread takes at least: ~32 KiB of K x rows (<= kRows) work.
+int64_t tile_grain(int64_t k, int64_t rows) {
+  return std::max<int64_t>(1, 32768 / (k * std::min<int64_t>(rows, kRows)));
+}
+
 at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& supers, const c10::optional<at::Tensor>& bias,
                    int64_t isa) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.is_contiguous(),
-              "codes: packed [N/16, _, 64]");
-  const int64_t width = int4 ? 2 * kTile : kTile;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == width &&
-                  scales.scalar_type() == (int4 ? at::kByte : at::kHalf) && scales.is_contiguous(),
-              int4 ? "scales: uint8 [N/16, K/G, 32]" : "scales: fp16 [N/16, K/G, 16]");
-  const int64_t tiles = codes.size(0), n = tiles * kTile, k = x.size(1);
-  TORCH_CHECK(codes.size(1) * (int4 ? 8 : 4) == k, "codes do not match K = ", k);
-  const int64_t groups = scales.size(1);
-  TORCH_CHECK(scales.size(0) == tiles && groups > 0 && k % groups == 0, "scales do not match the codes");
-  const int64_t per_group = k / groups / kBlock;
-  TORCH_CHECK(per_group > 0 && (per_group & (per_group - 1)) == 0 && per_group * kBlock * groups == k,
-              "group size must be 32 times a power of two");
-  const int64_t super_groups = (groups + kGroupsPerSuper - 1) / kGroupsPerSuper;
-  if (int4)
-    TORCH_CHECK(supers && supers->dim() == 3 && supers->size(0) == tiles && supers->size(1) == super_groups &&
-                    supers->size(2) == 2 * kTile && supers->scalar_type() == at::kHalf &&
-                    supers->is_contiguous(),
-                "supers: fp16 [N/16, ceil(K/G / 8), 32]");
+  const int64_t k = x.size(1);
+  const Layout layout(int4, k, codes, scales, supers);
+  const int64_t tiles = layout.tiles, n = tiles * kTile;
   if (bias)
     TORCH_CHECK(
         bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -658,33 +697,17 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const Acts acts{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), k / kBlock, m};
-  const int gshift = __builtin_ctzll(per_group);
-  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const auto* sp = static_cast<const uint8_t*>(scales.data_ptr());
-  const auto* dp = int4 ? reinterpret_cast<const uint16_t*>(supers->data_ptr<at::Half>()) : nullptr;
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t tile_bytes = codes.size(1) * 64;
   // split over output tiles only: every element is computed the same way whatever the thread count
-  const int64_t grain = std::max<int64_t>(1, 32768 / (k * std::min<int64_t>(m, kRows)));
   // AMX takes output tiles two by two (the odd one out alone) where the call's activations outgrow L1, so
   // that each block's are loaded once for both; else one by one (the pairs' registers spill)
   const bool pairs = isa == kAmx && m * k > kPairFromBytes;
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, tile_grain(k, m), [&](int64_t t0, int64_t t1) {
     if (isa == kAmx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRows)));  // per thread
-    auto weights_of = [&](int64_t t) {
-      Weights w{cp + t * tile_bytes, nullptr, nullptr, nullptr, gshift};
-      if (int4) {
-        w.groups = sp + t * groups * 2 * kTile;
-        w.supers = dp + t * super_groups * 2 * kTile;
-      } else {
-        w.scales = reinterpret_cast<const uint16_t*>(sp) + t * groups * kTile;
-      }
-      return w;
-    };
     for (int64_t t = t0, step; t < t1; t += step) {
       step = pairs ? std::min<int64_t>(2, t1 - t) : 1;
-      const Weights w[2] = {weights_of(t), weights_of(t + step - 1)};
+      const Weights w[2] = {layout.tile(t), layout.tile(t + step - 1)};
       const float* b = bp ? bp + t * kTile : nullptr;
       float* o = op + t * kTile;
       if (isa == kAmx)
@@ -700,6 +723,79 @@ at::Tensor qlinear(bool int4, const at::Tensor& x, const at::Tensor& codes, cons
   return out;
 }
 
+// Mixture-of-experts layers: E weights of one shape, their buffers stacked [E, ...], and rows sorted by
+// expert, counts[e] rows for expert e (zero for most). One call computes every expert's rows, in parallel
+// over (expert with rows, output tile): a decode or verification step pays one activation quantization
+// and one parallel region per projection instead of one per active expert, and each expert's tiles are
+// read once for all its rows. Each row's result is bitwise that of a call on its expert's rows alone
+// (the tiles are row-invariant). AMX is not used: it reads whole tiles of 16 rows, block-major, across
+// segments; automatic calls take the AVX-512 path there, which gives the same bits.
+at::Tensor grouped_qlinear(bool int4, const at::Tensor& x, const at::Tensor& counts, const at::Tensor& codes,
+                           const at::Tensor& scales, const c10::optional<at::Tensor>& supers, int64_t isa) {
+  TORCH_CHECK(codes.dim() == 4 && scales.dim() == 4 && (!int4 || (supers && supers->dim() == 4)),
+              "stacked buffers: [E, N/16, _, _]");
+  const int64_t experts = codes.size(0);
+  TORCH_CHECK(experts > 0 && scales.size(0) == experts && (!int4 || supers->size(0) == experts),
+              "stacked buffers: one number of experts");
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == experts && counts.scalar_type() == at::kLong &&
+                  counts.is_cpu(),
+              "counts: int64 [E] on the CPU");
+  TORCH_CHECK(x.dim() == 2, "x: [rows, K]");
+  const int64_t k = x.size(1);
+  // expert e's buffers are its slices; their checks cover the stacked ones (contiguous slices of them)
+  const at::Tensor codes0 = codes[0], scales0 = scales[0];
+  const c10::optional<at::Tensor> supers0 = int4 ? c10::optional<at::Tensor>((*supers)[0]) : c10::nullopt;
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && (!int4 || supers->is_contiguous()),
+              "stacked buffers: contiguous");
+  const Layout first(int4, k, codes0, scales0, supers0);
+  struct Segment {
+    int64_t expert, start, rows;
+  };
+  std::vector<Segment> segments;
+  const at::Tensor count_values = counts.contiguous();
+  const int64_t* cp = count_values.data_ptr<int64_t>();
+  int64_t total = 0, most = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    TORCH_CHECK(cp[e] >= 0, "counts: negative count for expert ", e);
+    if (cp[e]) segments.push_back({e, total, cp[e]});
+    total += cp[e];
+    most = std::max(most, cp[e]);
+  }
+  TORCH_CHECK(total == x.size(0), "counts add up to ", total, " rows, x has ", x.size(0));
+  const bool automatic = isa < 0;
+  isa = resolve_isa(isa);
+  TORCH_CHECK(automatic || isa != kAmx, "grouped calls have no AMX path (its bits are AVX-512's)");
+  if (isa == kAmx) isa = kAvx512;
+  const auto [q, scale, sum] = quantize_rows_padded(x, isa, total, false);
+  const int64_t tiles = first.tiles, n = tiles * kTile, nb = k / kBlock;
+  at::Tensor out = at::empty({total, n}, x.options());
+  if (segments.empty()) return out;
+  const int64_t codes_step = codes0.numel(), scales_step = scales0.nbytes();
+  const int64_t supers_step = int4 ? supers0->numel() : 0;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float *sp = scale.data_ptr<float>(), *up = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // work items (segment, tile) in that order: a thread's range covers whole experts where it can
+  const int64_t items = static_cast<int64_t>(segments.size()) * tiles;
+  at::parallel_for(0, items, tile_grain(k, most), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Segment& s = segments[i / tiles];
+      const int64_t t = i % tiles;
+      Layout layout = first;
+      layout.codes += s.expert * codes_step;
+      layout.scales += s.expert * scales_step;
+      if (int4) layout.supers += s.expert * supers_step;
+      const Acts acts{qp + s.start * nb * kBlock, sp + s.start * nb, up + s.start * nb, nb, s.rows};
+      float* o = op + s.start * n + t * kTile;
+      if (int4)
+        rows_of_tile<true>(isa, layout.tile(t), acts, s.rows, nullptr, o, n);
+      else
+        rows_of_tile<false>(isa, layout.tile(t), acts, s.rows, nullptr, o, n);
+    }
+  });
+  return out;
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& supers, const c10::optional<at::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "int4 codes: uint8");
@@ -710,6 +806,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const c10::optional<at::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "int8 codes: int8");
   return qlinear(false, x, codes, scales, c10::nullopt, bias, isa);
+}
+
+at::Tensor int4_grouped_linear(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& codes,
+                               const at::Tensor& scales, const at::Tensor& supers, int64_t isa) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "int4 codes: uint8");
+  return grouped_qlinear(true, x, counts, codes, scales, supers, isa);
+}
+
+at::Tensor int8_grouped_linear(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& codes,
+                               const at::Tensor& scales, int64_t isa) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "int8 codes: int8");
+  return grouped_qlinear(false, x, counts, codes, scales, c10::nullopt, isa);
 }
 
 // How many threads `at::parallel_for` runs a large range on here: 1 if the library was built without
@@ -732,4 +840,11 @@ TORCH_LIBRARY(specserve, m) {
       &int4_linear);
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias=None, int isa=-1) -> Tensor",
         &int8_linear);
+  m.def(
+      "int4_grouped_linear(Tensor x, Tensor counts, Tensor codes, Tensor scales, Tensor supers, int isa=-1) "
+      "-> Tensor",
+      &int4_grouped_linear);
+  m.def(
+      "int8_grouped_linear(Tensor x, Tensor counts, Tensor codes, Tensor scales, int isa=-1) -> Tensor",
+      &int8_grouped_linear);
 }

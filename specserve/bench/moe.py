@@ -1,0 +1,208 @@
+"""Mixture-of-experts decode on this CPU: a Qwen3-30B-A3B-shaped model (its layer shapes: hidden 2048, 128
+experts of width 768, top 8, 32 query / 4 KV heads of 128; fewer layers, and the vocabulary scaled with
+them so that the head's share of a token's reads stays the real model's), random int4 weights made in the
+kernel's layout (no checkpoint, no fp32 copy), timed with the routed experts in grouped kernel calls and
+with the loop over experts, round by round in turn on the same weights.
+
+    python -m specserve.bench.moe [--layers 8] [--context 64] [--rounds 5] [--out results.json]
+
+Per mode: T(q), one model forward over q new tokens after `--context` cached ones with logits for all q
+rows (as verification needs), for q = 1..9 and 16; T(1) is a batch-1 decode step (the engine's scheduling
+and sampling excluded), and T(q)/T(1) the cost of verifying q - 1 drafts. The read roofline: the bytes a
+batch-1 step reads (attention and head int4, routers fp32, the top-k routed experts' int4 weights, not
+the 120 idle ones) over the read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+from torch import nn
+
+from specserve.bench.quant import read_bandwidth_gb_s, weight_bytes_per_token
+from specserve.layers import kernels
+from specserve.layers.moe import Experts
+from specserve.layers.quant import (
+    DEFAULT_GROUP_SIZE,
+    GROUPS_PER_SUPER,
+    N_MULTIPLE,
+    Int4Linear,
+    fuse_projections,
+    quantizable_linears,
+    replace_module,
+)
+from specserve.models.prepare import place
+from specserve.models.registry import model_skeleton
+from specserve.platform import CPU
+from specserve.worker.model_runner import ModelRunner, PieceInput
+
+# Qwen3-30B-A3B's config.json, less its layer count and vocabulary
+SHAPES = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+)
+REAL_LAYERS, REAL_VOCAB = 48, 151936
+Q_VALUES = [*range(1, 10), 16]
+BLOCK = 16
+MODES = ("grouped", "loop")
+
+
+def shaped_config(layers: int) -> transformers.PretrainedConfig:
+    vocab = REAL_VOCAB * layers // REAL_LAYERS // N_MULTIPLE * N_MULTIPLE
+    return transformers.Qwen3MoeConfig(**SHAPES, num_hidden_layers=layers, vocab_size=vocab)
+
+
+def random_int4(n: int, k: int, generator: torch.Generator) -> Int4Linear:
+    """An int4 layer [n, k] with random codes, sub-scales and sub-minimums, made in the kernel's layout."""
+    tiles, groups = n // N_MULTIPLE, k // DEFAULT_GROUP_SIZE
+    supers = -(-groups // GROUPS_PER_SUPER)
+    buffers = {
+        "packed": torch.randint(0, 256, (tiles, k // 8, 64), dtype=torch.uint8, generator=generator),
+        "scales": torch.randint(0, 256, (tiles, groups, 32), dtype=torch.uint8, generator=generator),
+        # d, dmin: weights q * d * s + dmin * m within ~0.02
+        "supers": (torch.rand(tiles, supers, 32, generator=generator) * 5e-6 + 1e-6).half(),
+    }
+    return Int4Linear.from_kernel_buffers(buffers, k, DEFAULT_GROUP_SIZE, None)
+
+
+def build(config: transformers.PretrainedConfig, seed: int = 0) -> nn.Module:
+    """The shaped model, int4 where the int4 mode quantizes (the routers fp32), fused, experts stacked and
+    placed as a loaded model is."""
+    model = model_skeleton(config)
+    g = torch.Generator().manual_seed(seed)
+    for names in list(quantizable_linears(model, "int4")):
+        meta = model.get_submodule(names[0])
+        replace_module(model, names, random_int4(meta.out_features, meta.in_features, g))
+    for module in model.modules():  # what is left on the meta device: embedding, norms, routers
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                value = torch.randn(p.shape, generator=g)
+                value = 1 + 0.1 * value if p.dim() == 1 else value * p.shape[-1] ** -0.5  # norms ~ 1
+                module._parameters[name] = nn.Parameter(value, requires_grad=False)
+    fuse_projections(model)
+    return place(model.eval(), CPU)
+
+
+def experts_of(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def active_bytes(model: nn.Module, top_k: int) -> int:
+    """Weight bytes a batch-1 step reads: every linear layer but the routed experts, and top-k of those."""
+    total = weight_bytes_per_token(model)
+    for experts in experts_of(model):
+        per_expert = [
+            sum(b.numel() * b.element_size() for layer in expert.children() for b in layer.buffers())
+            for expert in experts
+        ]
+        total -= sum(per_expert) - per_expert[0] * top_k
+    return total
+
+
+class Timer:
+    """One runner over the model with `context` tokens cached; T(q) for the tokens after them."""
+
+    def __init__(self, model: nn.Module, context: int, vocab: int):
+        blocks = -(-(context + max(Q_VALUES)) // BLOCK)
+        self.runner = ModelRunner(model, blocks, BLOCK, torch.float32)
+        self.table = list(range(blocks))
+        self.context = context
+        g = torch.Generator().manual_seed(1)
+        self.tokens = torch.randint(0, vocab, (context + max(Q_VALUES),), generator=g).tolist()
+        self.runner.forward([PieceInput(self.tokens[:context], 0, self.table)], [context - 1])
+
+    def seconds(self, q: int) -> float:
+        piece = PieceInput(self.tokens[self.context : self.context + q], self.context, self.table)
+        start = time.perf_counter()
+        self.runner.forward([piece], list(range(q)))
+        return time.perf_counter() - start
+
+
+def use_mode(model: nn.Module, stacks: list, mode: str) -> None:
+    """grouped: the experts' stacked calls; loop: each expert on its own (the same weights: views)."""
+    for experts, stacked in zip(experts_of(model), stacks, strict=True):
+        experts.stacks = stacked if mode == "grouped" else None
+
+
+def run(args: argparse.Namespace) -> dict:
+    if kernels.ops() is None:
+        raise SystemExit("specserve's kernels are not available here: nothing to group")
+    started = time.perf_counter()
+    config = shaped_config(args.layers)
+    model = build(config)
+    stacks = [experts.stacks for experts in experts_of(model)]
+    assert all(s is not None for s in stacks), "the experts were not stacked"
+    print(f"built {args.layers} layers in {time.perf_counter() - started:.0f} s", flush=True)
+    timer = Timer(model, args.context, config.vocab_size)
+    times: dict[str, dict[int, list[float]]] = {mode: {q: [] for q in Q_VALUES} for mode in MODES}
+    for mode in MODES:  # warm-up
+        use_mode(model, stacks, mode)
+        for q in Q_VALUES:
+            timer.seconds(q)
+    for r in range(args.rounds):
+        for q in Q_VALUES:
+            for mode in MODES:
+                use_mode(model, stacks, mode)
+                times[mode][q].append(timer.seconds(q))
+        print(f"  round {r + 1}: T(1) " + ", ".join(f"{m} {times[m][1][-1] * 1e3:.1f} ms" for m in MODES))
+    use_mode(model, stacks, "grouped")
+    ms = {mode: {q: statistics.median(t) * 1e3 for q, t in per_q.items()} for mode, per_q in times.items()}
+    bandwidth = read_bandwidth_gb_s()
+    step_bytes = active_bytes(model, config.num_experts_per_tok)
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "isa": kernels.isa_name(),
+        "threads": torch.get_num_threads(),
+        "layers": args.layers,
+        "vocab": config.vocab_size,
+        "context": args.context,
+        "rounds": args.rounds,
+        "read_bandwidth_gb_s": bandwidth,
+        "active_weight_bytes": step_bytes,
+        "roofline_tokens_per_s": bandwidth * 1e9 / step_bytes,
+        "t_ms": ms,
+    }
+    print(f"\nread bandwidth {bandwidth:.1f} GB/s; a batch-1 step reads {step_bytes / 1e6:.0f} MB of weights")
+    print(f"roofline {result['roofline_tokens_per_s']:.1f} tokens/s")
+    print("q   " + "".join(f"{m + ' T(q) ms':>18}{'T(q)/T(1)':>11}" for m in MODES) + f"{'loop/grouped':>14}")
+    for q in Q_VALUES:
+        cells = "".join(f"{ms[m][q]:18.1f}{ms[m][q] / ms[m][1]:11.2f}" for m in MODES)
+        print(f"{q:<4}{cells}{ms['loop'][q] / ms['grouped'][q]:14.2f}")
+    for mode in MODES:
+        rate = 1e3 / ms[mode][1]
+        share = rate / result["roofline_tokens_per_s"]
+        print(f"{mode}: batch-1 step {rate:.1f} tokens/s = {share:.0%} of the roofline")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64, help="cached tokens before the q timed ones")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", help="write the results here (JSON)")
+    torch.manual_seed(0)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

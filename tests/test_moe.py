@@ -1,0 +1,106 @@
+"""Mixture-of-experts layers (specserve/layers/moe.py): quantized experts run in grouped kernel calls whose
+rows are bitwise those of each expert's own call, on tiny random Qwen3-MoE and Qwen3.5-MoE; the stacking
+adds no memory and is skipped where the experts are not on specserve's kernel; greedy speculation on a
+quantized MoE target equals plain greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.layers import kernels
+from specserve.layers.moe import Experts, route_topk
+from specserve.models.loader import load_model
+
+needs_kernel = pytest.mark.skipif(not kernels.ops(), reason="experts are grouped on specserve's kernel")
+
+
+def looped_reference(experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    """Each expert alone over its rows, its weighted outputs added back expert after expert."""
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if len(token):
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+    return out
+
+
+def experts_of(model) -> list[Experts]:
+    found = [m for m in model.modules() if isinstance(m, Experts)]
+    assert found
+    return found
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_grouped_experts_equal_each_expert_alone(arch, mode, tiny_model_dir):
+    """M = 1..16 rows (verification blocks) and 37 (a prompt piece), routed at random: bitwise the loop
+    over experts, each row bitwise as when it is alone; the experts' layers view the stacked buffers."""
+    model, _, _ = load_model(str(tiny_model_dir(arch)), quantization=mode)
+    g = torch.Generator().manual_seed(0)
+    for experts in experts_of(model):
+        assert experts.stacks is not None
+        gate_up, down = experts.stacks
+        for e, expert in enumerate(experts):
+            assert storage(expert.gate_proj.packed) == storage(expert.up_proj.packed)
+            assert storage(expert.gate_proj.packed) == storage(gate_up.buffers[0])
+            assert storage(expert.down_proj.packed) == storage(down.buffers[0])
+            assert torch.equal(expert.down_proj.packed, down.buffers[0][e])
+        hidden, top_k = expert.down_proj.out_features, 2
+        for m in [*range(1, 17), 37]:
+            x = torch.randn(m, hidden, generator=g) * torch.logspace(-1, 1, m)[:, None]
+            weights, ids = route_topk(torch.randn(m, len(experts), generator=g), top_k, True)
+            got = experts(x, weights, ids)
+            assert torch.equal(got, looped_reference(experts, x, weights, ids)), f"M = {m}"
+            alone = torch.cat([experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(m)])
+            assert torch.equal(got, alone), f"M = {m}"
+
+
+@needs_kernel
+def test_grouped_experts_with_many_experts_most_without_rows():
+    """128 experts, top 8 (Qwen3-30B-A3B's routing) at small widths: most experts get no row."""
+    from specserve.layers.quant import quantize_model
+
+    torch.manual_seed(0)
+    experts = Experts(128, 64, 32)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    quantize_model(experts, "int4")
+    assert experts.stacks is not None
+    for m in (1, 4, 9, 16):
+        x = torch.randn(m, 64)
+        weights, ids = route_topk(torch.randn(m, 128), 8, True)
+        assert torch.equal(experts(x, weights, ids), looped_reference(experts, x, weights, ids))
+
+
+def test_experts_off_the_kernel_keep_the_loop(tiny_model_dir):
+    """Unquantized (fp32) experts are not stacked; they run one by one, as the reference does."""
+    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")))
+    experts = experts_of(model)[0]
+    assert experts.stacks is None and not experts.stack_experts()
+    x = torch.randn(5, experts[0].down_proj.out_features)
+    weights, ids = route_topk(torch.randn(5, len(experts)), 2, True)
+    assert torch.equal(experts(x, weights, ids), looped_reference(experts, x, weights, ids))
+    assert experts(x[:0], weights[:0], ids[:0]).shape == (0, x.shape[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,mode", [("qwen3_moe", "int4"), ("qwen3_moe", "int8"), ("qwen3_5_moe", "int4")])
+def test_greedy_speculation_on_a_quantized_moe_target_is_exact(arch, mode, tiny_model_dir):
+    target = str(tiny_model_dir(arch))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    config = dict(max_model_len=64, kv_cache_memory="16MiB", quantization=mode)
+    expected = [o.outputs[0].token_ids for o in LLM(target, **config).generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = LLM(target, speculative_config=spec, **config)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert all(e.stacks is not None for e in experts_of(llm.engine.model))
