@@ -8,9 +8,10 @@ with the loop over experts, round by round in turn on the same weights.
 
 Per mode: T(q), one model forward over q new tokens after `--context` cached ones with logits for all q
 rows (as verification needs), for q = 1..9 and 16; T(1) is a batch-1 decode step (the engine's scheduling
-and sampling excluded), and T(q)/T(1) the cost of verifying q - 1 drafts. The read roofline: the bytes a
-batch-1 step reads (attention and head int4, routers fp32, the top-k routed experts' int4 weights, not
-the 120 idle ones) over the read bandwidth measured in the same run.
+and sampling excluded), and T(q)/T(1) the cost of verifying q - 1 drafts. The read
+roofline: the weight bytes a forward reads (attention and head int4, routers fp32, and the int4 weights of
+the experts its rows are routed to: top-k for one row, more distinct ones for q rows) over the read
+bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -103,16 +104,29 @@ def experts_of(model: nn.Module) -> list[Experts]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
-def active_bytes(model: nn.Module, top_k: int) -> int:
-    """Weight bytes a batch-1 step reads: every linear layer but the routed experts, and top-k of those."""
-    total = weight_bytes_per_token(model)
+def expert_bytes(model: nn.Module) -> tuple[int, int]:
+    """(weight bytes of every linear layer but the routed experts, bytes of one routed expert)."""
+    total, one = weight_bytes_per_token(model), 0
     for experts in experts_of(model):
-        per_expert = [
-            sum(b.numel() * b.element_size() for layer in expert.children() for b in layer.buffers())
-            for expert in experts
-        ]
-        total -= sum(per_expert) - per_expert[0] * top_k
-    return total
+        for expert in experts:
+            one = sum(b.numel() * b.element_size() for layer in expert.children() for b in layer.buffers())
+            total -= one
+    return total, one
+
+
+def routed_experts(model: nn.Module, timer: Timer, q: int) -> int:
+    """How many (layer, expert) pairs a forward over q tokens routes rows to: the experts it reads."""
+    seen = []
+    hooks = [
+        experts.register_forward_hook(lambda m, inputs, out: seen.append(len(inputs[2].unique())))
+        for experts in experts_of(model)
+    ]
+    try:
+        timer.seconds(q)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(seen)
 
 
 class Timer:
@@ -164,7 +178,9 @@ def run(args: argparse.Namespace) -> dict:
     use_mode(model, stacks, "grouped")
     ms = {mode: {q: statistics.median(t) * 1e3 for q, t in per_q.items()} for mode, per_q in times.items()}
     bandwidth = read_bandwidth_gb_s()
-    step_bytes = active_bytes(model, config.num_experts_per_tok)
+    dense_bytes, per_expert = expert_bytes(model)
+    read_bytes = {q: dense_bytes + routed_experts(model, timer, q) * per_expert for q in Q_VALUES}
+    step_bytes = read_bytes[1]
     result = {
         "machine": platform.processor() or platform.machine(),
         "isa": kernels.isa_name(),
@@ -176,14 +192,21 @@ def run(args: argparse.Namespace) -> dict:
         "read_bandwidth_gb_s": bandwidth,
         "active_weight_bytes": step_bytes,
         "roofline_tokens_per_s": bandwidth * 1e9 / step_bytes,
+        "read_bytes": read_bytes,
         "t_ms": ms,
     }
     print(f"\nread bandwidth {bandwidth:.1f} GB/s; a batch-1 step reads {step_bytes / 1e6:.0f} MB of weights")
     print(f"roofline {result['roofline_tokens_per_s']:.1f} tokens/s")
-    print("q   " + "".join(f"{m + ' T(q) ms':>18}{'T(q)/T(1)':>11}" for m in MODES) + f"{'loop/grouped':>14}")
+    # the roofline of q rows: the bytes of the experts they route to (more distinct ones as q grows)
+    print(
+        "q   "
+        + "".join(f"{m + ' T(q) ms':>18}{'T(q)/T(1)':>11}" for m in MODES)
+        + f"{'loop/grouped':>14}{'reads MB':>10}{'roofline ms':>13}"
+    )
     for q in Q_VALUES:
         cells = "".join(f"{ms[m][q]:18.1f}{ms[m][q] / ms[m][1]:11.2f}" for m in MODES)
-        print(f"{q:<4}{cells}{ms['loop'][q] / ms['grouped'][q]:14.2f}")
+        roof = read_bytes[q] / bandwidth / 1e6
+        print(f"{q:<4}{cells}{ms['loop'][q] / ms['grouped'][q]:14.2f}{read_bytes[q] / 1e6:10.0f}{roof:13.1f}")
     for mode in MODES:
         rate = 1e3 / ms[mode][1]
         share = rate / result["roofline_tokens_per_s"]
