@@ -70,14 +70,18 @@ def shaped_config(layers: int) -> transformers.PretrainedConfig:
 
 
 def random_int4(n: int, k: int, generator: torch.Generator) -> Int4Linear:
-    """An int4 layer [n, k] with random codes, sub-scales and sub-minimums, made in the kernel's layout."""
+    """An int4 layer [n, k] with random codes and sub-scales, made in the kernel's layout; each group's
+    minimum is minus 7.5 steps, so the weights are centred on zero (with positive ones, every layer would add
+    one common direction to all tokens, and all tokens would be routed to the same experts)."""
     tiles, groups = n // N_MULTIPLE, k // DEFAULT_GROUP_SIZE
     supers = -(-groups // GROUPS_PER_SUPER)
+    sub_scales = torch.randint(1, 256, (tiles, groups, 16), dtype=torch.uint8, generator=generator)
+    sub_mins = (-(sub_scales.float() * 127 / 255).round()).to(torch.int8).view(torch.uint8)
+    d = torch.rand(tiles, supers, 16, generator=generator) * 5e-6 + 1e-6
     buffers = {
         "packed": torch.randint(0, 256, (tiles, k // 8, 64), dtype=torch.uint8, generator=generator),
-        "scales": torch.randint(0, 256, (tiles, groups, 32), dtype=torch.uint8, generator=generator),
-        # d, dmin: weights q * d * s + dmin * m within ~0.02
-        "supers": (torch.rand(tiles, supers, 32, generator=generator) * 5e-6 + 1e-6).half(),
+        "scales": torch.cat([sub_scales, sub_mins], dim=-1),
+        "supers": torch.cat([d, d * 7.5 * 255 / 127], dim=-1).half(),  # d, dmin
     }
     return Int4Linear.from_kernel_buffers(buffers, k, DEFAULT_GROUP_SIZE, None)
 
