@@ -44,7 +44,7 @@ class Experts(nn.ModuleList):
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)  # a token's slots come in the order of their experts' ids
         counts = torch.bincount(flat_ids, minlength=len(self))
-        rows = x[order // top_k]  # sorted by expert: counts[e] rows for expert e
+        rows = x.index_select(0, order // top_k)  # sorted by expert: counts[e] rows for expert e
         if self.stacks is not None and x.dim() == 2 and kernels.rows_take(rows):
             y = self._grouped(rows, counts)
         else:
@@ -52,7 +52,8 @@ class Experts(nn.ModuleList):
         y = (y * weights.flatten()[order, None]).to(x.dtype)
         # each token's k terms [N, k, H] in its experts' order, added in that order from zero (index_add_
         # would add them in the same order, but runs as a serial scatter: 0.43 ms a layer for 8 rows)
-        terms = y[order.argsort().view(-1, top_k).gather(1, ids.argsort(dim=1))]
+        slots = order.argsort().view(-1, top_k).gather(1, ids.argsort(dim=1))
+        terms = y.index_select(0, slots.flatten()).view(*ids.shape, x.shape[-1])  # (x[...] costs more)
         out = torch.zeros_like(x)
         for j in range(top_k):
             out += terms[:, j]
