@@ -2,9 +2,11 @@
 experts of width 768, top 8, 32 query / 4 KV heads of 128; fewer layers, and the vocabulary scaled with
 them so that the head's share of a token's reads stays the real model's), random int4 weights made in the
 kernel's layout (no checkpoint, no fp32 copy), timed with the routed experts in grouped kernel calls and
-with the loop over experts, round by round in turn on the same weights.
+with the loop over experts, round by round in turn on the same weights; and llama.cpp (llama-cpp-python,
+`pip install 'specserve[bench]'`) on a qwen3moe GGUF of the same shapes with random Q4_K weights (written
+here with the `gguf` package, routers F32), timed in the same rounds.
 
-    python -m specserve.bench.moe [--layers 8] [--context 64] [--rounds 5] [--out results.json]
+    python -m specserve.bench.moe [--layers 8] [--context 64] [--rounds 5] [--out results.json] [--no-llama]
 
 Per mode: T(q), one model forward over q new tokens after `--context` cached ones with logits for all q
 rows (as verification needs), for q = 1..9 and 16; T(1) is a batch-1 decode step (the engine's scheduling
@@ -17,16 +19,19 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
+import tempfile
 import time
 
+import numpy as np
 import torch
 import transformers
 from torch import nn
 
-from specserve.bench.quant import read_bandwidth_gb_s, weight_bytes_per_token
+from specserve.bench.quant import LlamaCpp, read_bandwidth_gb_s, weight_bytes_per_token
 from specserve.layers import kernels
 from specserve.layers.moe import Experts
 from specserve.layers.quant import (
@@ -104,6 +109,76 @@ def build(config: transformers.PretrainedConfig, seed: int = 0) -> nn.Module:
     return place(model.eval(), CPU)
 
 
+# llama.cpp's Q4_K: 256 weights a block in d, dmin (fp16), 12 bytes of 6-bit scales, 128 bytes of codes
+Q4_K_BLOCK, Q4_K_BYTES = 256, 144
+
+
+def random_q4_k(rows: tuple[int, ...], cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K blocks for a [*rows, cols] weight, as bytes: random codes; sub-blocks 0-3 with scale and
+    minimum 16, 4-7 with 1 and 1 (the 6-bit packing of bytes 16 / 0x11), dmin = 7.5 d, so every sub-block is
+    centred on zero as `random_int4`'s groups are."""
+    blocks = rng.integers(0, 256, (*rows, cols // Q4_K_BLOCK, Q4_K_BYTES), dtype=np.uint8)
+    d = (rng.random((*rows, cols // Q4_K_BLOCK)) * 5e-4 + 1e-4).astype(np.float16)
+    blocks[..., 0:2] = d[..., None].view(np.uint8)
+    blocks[..., 2:4] = (d * np.float16(7.5))[..., None].view(np.uint8)
+    blocks[..., 4:12], blocks[..., 12:16] = 16, 0x11
+    return blocks.reshape(*rows, -1)
+
+
+def write_gguf(config: transformers.PretrainedConfig, path: str, seed: int = 0) -> None:
+    """A qwen3moe GGUF of `config`'s shapes with random weights for llama.cpp: Q4_K matrices (the routers
+    F32), F32 norms, no tokenizer (token ids go in as they are)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    hidden, experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_expert_feed_forward_length(width)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("no_vocab")
+
+    def q4_k(name: str, *shape: int) -> None:
+        blocks = random_q4_k(shape[:-1], shape[-1], rng)
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+
+    def f32(name: str, value: np.ndarray) -> None:
+        writer.add_tensor(name, value.astype(np.float32))
+
+    q4_k("token_embd.weight", config.vocab_size, hidden)
+    q4_k("output.weight", config.vocab_size, hidden)
+    f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+    for i in range(config.num_hidden_layers):
+        block = f"blk.{i}"
+        norms = {"attn_norm": hidden, "ffn_norm": hidden, "attn_q_norm": head_dim, "attn_k_norm": head_dim}
+        for norm, size in norms.items():
+            f32(f"{block}.{norm}.weight", 1 + 0.1 * rng.standard_normal(size))
+        q4_k(f"{block}.attn_q.weight", heads * head_dim, hidden)
+        q4_k(f"{block}.attn_k.weight", kv_heads * head_dim, hidden)
+        q4_k(f"{block}.attn_v.weight", kv_heads * head_dim, hidden)
+        q4_k(f"{block}.attn_output.weight", hidden, heads * head_dim)
+        f32(f"{block}.ffn_gate_inp.weight", rng.standard_normal((experts, hidden)) * hidden**-0.5)
+        q4_k(f"{block}.ffn_gate_exps.weight", experts, width, hidden)
+        q4_k(f"{block}.ffn_up_exps.weight", experts, width, hidden)
+        q4_k(f"{block}.ffn_down_exps.weight", experts, hidden, width)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+
+
 def experts_of(model: nn.Module) -> list[Experts]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
@@ -158,6 +233,21 @@ def use_mode(model: nn.Module, stacks: list, mode: str) -> None:
         experts.stacks = stacked if mode == "grouped" else None
 
 
+def llama_cpp(config: transformers.PretrainedConfig, directory: str, timer: Timer):
+    """llama.cpp on a GGUF of the same shapes (random Q4_K weights), the same context cached; None, said
+    why, without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp skipped: llama-cpp-python is not installed (pip install 'specserve[bench]')")
+        return None
+    started, path = time.perf_counter(), f"{directory}/qwen3moe-shaped.gguf"
+    write_gguf(config, path)
+    llama = LlamaCpp(path, torch.get_num_threads(), n_ctx=timer.context + max(Q_VALUES) + 16)
+    llama.prepare(timer.tokens[: timer.context])
+    seconds = time.perf_counter() - started
+    print(f"llama.cpp: a Q4_K GGUF of the same shapes, written and loaded in {seconds:.0f} s")
+    return llama
+
+
 def run(args: argparse.Namespace) -> dict:
     if kernels.ops() is None:
         raise SystemExit("specserve's kernels are not available here: nothing to group")
@@ -168,19 +258,30 @@ def run(args: argparse.Namespace) -> dict:
     assert all(s is not None for s in stacks), "the experts were not stacked"
     print(f"built {args.layers} layers in {time.perf_counter() - started:.0f} s", flush=True)
     timer = Timer(model, args.context, config.vocab_size)
-    times: dict[str, dict[int, list[float]]] = {mode: {q: [] for q in Q_VALUES} for mode in MODES}
-    for mode in MODES:  # warm-up
-        use_mode(model, stacks, mode)
-        for q in Q_VALUES:
-            timer.seconds(q)
-    for r in range(args.rounds):
-        for q in Q_VALUES:
-            for mode in MODES:
-                use_mode(model, stacks, mode)
-                times[mode][q].append(timer.seconds(q))
-        print(f"  round {r + 1}: T(1) " + ", ".join(f"{m} {times[m][1][-1] * 1e3:.1f} ms" for m in MODES))
+    with tempfile.TemporaryDirectory() as directory:
+        llama = llama_cpp(config, directory, timer) if args.llama else None
+        engines = [*MODES, *(["llama.cpp"] if llama else [])]
+
+        def seconds(engine: str, q: int) -> float:
+            if engine == "llama.cpp":
+                return llama.forward_seconds(timer.context, timer.tokens[timer.context : timer.context + q])
+            use_mode(model, stacks, engine)
+            return timer.seconds(q)
+
+        times: dict[str, dict[int, list[float]]] = {e: {q: [] for q in Q_VALUES} for e in engines}
+        for engine in engines:  # warm-up
+            for q in Q_VALUES:
+                seconds(engine, q)
+        for r in range(args.rounds):
+            for q in Q_VALUES:
+                for engine in engines:
+                    times[engine][q].append(seconds(engine, q))
+            t1 = ", ".join(f"{e} {times[e][1][-1] * 1e3:.1f} ms" for e in engines)
+            print(f"  round {r + 1}: T(1) {t1}", flush=True)
+        if llama:
+            llama.llm.close()  # before its GGUF goes
     use_mode(model, stacks, "grouped")
-    ms = {mode: {q: statistics.median(t) * 1e3 for q, t in per_q.items()} for mode, per_q in times.items()}
+    ms = {e: {q: statistics.median(t) * 1e3 for q, t in per_q.items()} for e, per_q in times.items()}
     bandwidth = read_bandwidth_gb_s()
     dense_bytes, per_expert = expert_bytes(model)
     read_bytes = {q: dense_bytes + routed_experts(model, timer, q) * per_expert for q in Q_VALUES}
@@ -204,17 +305,20 @@ def run(args: argparse.Namespace) -> dict:
     # the roofline of q rows: the bytes of the experts they route to (more distinct ones as q grows)
     print(
         "q   "
-        + "".join(f"{m + ' T(q) ms':>18}{'T(q)/T(1)':>11}" for m in MODES)
+        + "".join(f"{e + ' T(q) ms':>20}{'T(q)/T(1)':>11}" for e in engines)
         + f"{'loop/grouped':>14}{'reads MB':>10}{'roofline ms':>13}"
     )
     for q in Q_VALUES:
-        cells = "".join(f"{ms[m][q]:18.1f}{ms[m][q] / ms[m][1]:11.2f}" for m in MODES)
+        cells = "".join(f"{ms[e][q]:20.1f}{ms[e][q] / ms[e][1]:11.2f}" for e in engines)
         roof = read_bytes[q] / bandwidth / 1e6
         print(f"{q:<4}{cells}{ms['loop'][q] / ms['grouped'][q]:14.2f}{read_bytes[q] / 1e6:10.0f}{roof:13.1f}")
-    for mode in MODES:
-        rate = 1e3 / ms[mode][1]
-        share = rate / result["roofline_tokens_per_s"]
-        print(f"{mode}: batch-1 step {rate:.1f} tokens/s = {share:.0%} of the roofline")
+    for engine in engines:
+        rate = 1e3 / ms[engine][1]
+        share = rate / result["roofline_tokens_per_s"]  # llama.cpp's Q4_K reads 4.5 bits a weight, ours ~4.6
+        line = f"{engine}: batch-1 step {rate:.1f} tokens/s = {share:.0%} of the roofline"
+        if "llama.cpp" in ms and engine != "llama.cpp":
+            line += f", {ms['llama.cpp'][1] / ms[engine][1]:.2f}x llama.cpp"
+        print(line)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -227,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=64, help="cached tokens before the q timed ones")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", help="write the results here (JSON)")
+    parser.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
     torch.manual_seed(0)
     run(parser.parse_args(argv))
 
