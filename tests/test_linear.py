@@ -7,7 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.linear import ENV_VAR, PackedLinear, linear_backend, onednn_available, pack_linears
+from specserve.layers import kernels
+from specserve.layers.linear import (
+    ENV_VAR,
+    SMALL_OUTPUTS,
+    PackedLinear,
+    SmallLinear,
+    linear_backend,
+    onednn_available,
+    pack_linears,
+)
 from tests.tiny_models import build_reference
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -65,13 +74,50 @@ def test_bf16_linear_is_batch_invariant(in_features, out_features):
     assert_batch_invariant(lambda x: dense(x.to(torch.bfloat16)), in_features)
 
 
-def test_small_layers_are_packed_by_default():
+@pytest.fixture(params=["compiled", "onednn"])
+def small_kernel(request, monkeypatch):
+    """Small layers on specserve's compiled kernel (SmallLinear), then, without it, on oneDNN's."""
+    if request.param == "onednn":
+        monkeypatch.setenv(kernels.ENV_VAR, "1")
+    elif kernels.ops() is None:
+        pytest.skip("specserve's kernels are not built here")
+    return SmallLinear if request.param == "compiled" else PackedLinear
+
+
+def test_small_layers_are_replaced_by_default(small_kernel):
     """A MoE router or a tiny model's head: left to F.linear, its rows would depend on the batch."""
     model = nn.ModuleDict({"router": nn.Linear(64, 8), "gate": nn.Linear(96, 1), "head": nn.Linear(64, 256)})
-    assert pack_linears(model, enabled=True) == 3
+    model["wide"] = nn.Linear(64, SMALL_OUTPUTS + 1)
+    assert pack_linears(model, enabled=True) == 4
     for name, layer in model.items():
-        assert isinstance(layer, PackedLinear), name
+        assert isinstance(layer, PackedLinear if name == "wide" else small_kernel), name
         assert_batch_invariant(layer, layer.in_features)
+
+
+@pytest.mark.skipif(kernels.ops() is None, reason="specserve's kernels are not built here")
+@pytest.mark.parametrize("in_features,out_features", [(64, 48), (257, 130), (2048, 128), (100, 1), (33, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_on_the_kernel(in_features, out_features, bias):
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, out_features, bias=bias)
+    small = SmallLinear(dense)
+    assert small.weight is dense.weight and small.bias is dense.bias
+    assert set(small.state_dict()) == set(dense.state_dict())
+    x = torch.randn(5, 3, in_features)
+    with torch.no_grad():
+        bias64 = None if dense.bias is None else dense.bias.double()
+        want = F.linear(x.double(), dense.weight.double(), bias64)
+        assert _rel_err(small(x).double(), want) < 1e-5
+    for path in range(1, min(kernels.load_ops().best_isa(), 2) + 1):  # AVX2, AVX-512
+        assert_batch_invariant(
+            lambda rows, path=path: kernels.load_ops().fp32_linear(rows, dense.weight, dense.bias, path),
+            in_features,
+        )
+    x.requires_grad_()  # no autograd on the kernel: F.linear then
+    small(x).square().sum().backward()
+    grad, x.grad = x.grad, None
+    dense(x).square().sum().backward()
+    torch.testing.assert_close(grad, x.grad)
 
 
 def test_weight_and_bias_read_like_nn_linear():
@@ -123,7 +169,7 @@ class _Tiny(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(100, 64)
-        self.big = nn.Linear(64, 128)
+        self.big = nn.Linear(64, SMALL_OUTPUTS + 1)  # packed, whatever kernels there are
         self.small = nn.Linear(64, 8)  # below min_features
         self.bf16 = nn.Linear(128, 64).to(torch.bfloat16)
         self.head = nn.Linear(64, 100, bias=False)
@@ -134,7 +180,7 @@ def test_pack_linears_selects_modules():
     model = _Tiny()
     big_weight = weakref.ref(model.big.weight)
     assert pack_linears(model, min_features=16, enabled=True) == 2
-    assert isinstance(model.big, PackedLinear) and isinstance(model.head, PackedLinear)
+    assert isinstance(model.big, PackedLinear) and isinstance(model.head, PackedLinear | SmallLinear)
     assert type(model.small) is nn.Linear and type(model.bf16) is nn.Linear
     gc.collect()
     assert big_weight() is None  # the dense copy of an untied weight is released
@@ -158,7 +204,7 @@ def test_shared_module_packed_once():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
     model.append(model[0])
     assert pack_linears(model, min_features=1, enabled=True) == 1
-    assert model[0] is model[2] and isinstance(model[0], PackedLinear)
+    assert model[0] is model[2] and isinstance(model[0], PackedLinear | SmallLinear)
 
 
 def test_disabled_by_env_var(monkeypatch):

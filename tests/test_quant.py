@@ -20,7 +20,7 @@ from specserve.cli import build_parser
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.layers import kernels
 from specserve.layers.fusion import project
-from specserve.layers.linear import PackedLinear, pack_linears
+from specserve.layers.linear import PackedLinear, SmallLinear, pack_linears
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.quant import (
     COMPUTE_DTYPE,
@@ -207,7 +207,7 @@ def test_every_linear_of_a_quantized_model_is_batch_invariant(mode, arch, tiny_m
             assert_batch_invariant(layer, layer.in_features)
         except AssertionError as exc:
             raise AssertionError(f"{name} ({type(layer).__name__}): {exc}") from None
-    assert isinstance(model.lm_head, PackedLinear) == (mode == "int8")  # int8 keeps it fp32
+    assert isinstance(model.lm_head, PackedLinear | SmallLinear) == (mode == "int8")  # int8 keeps it fp32
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -289,7 +289,8 @@ def test_quantizing_packed_layers_equals_quantizing_dense_ones(mode):
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(128, 256), nn.SiLU(), nn.Linear(256, 128))
     packed = copy.deepcopy(dense)
-    assert pack_linears(packed, min_features=1, enabled=True) == 2 and isinstance(packed[0], PackedLinear)
+    assert pack_linears(packed, min_features=1, enabled=True) == 2
+    assert isinstance(packed[0], PackedLinear | SmallLinear)
     assert quantize_model(dense, mode) == quantize_model(packed, mode) == 2
     x = torch.randn(3, 128)
     with torch.inference_mode():

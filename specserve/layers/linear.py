@@ -19,11 +19,12 @@ own accumulator and sums K in blocks whose size depends on K alone (1024 on AVX2
 M only decides how rows are grouped, and K is split across threads only for K >= 20000 with M, N <= 512
 and fewer N blocks than threads (oneDNN 3.12, brgemm_matmul_utils.cpp), no linear of the models served.
 torch's `F.linear` (MKL sgemm) is not invariant: a gemv at M = 1, and at M >= 2 a row's result depends on
-M and on its position (up to 3e-5 apart at 8960 -> 1536). So `pack_linears` packs every fp32 linear,
-however small (a MoE router, a tiny model's head): for invariance there, not speed. That costs time at
-M = 1 only, where MKL runs a single-threaded gemv: 8-25 us a call against oneDNN's 70-120 us here under
-load (64 -> 64 to 2048 -> 60), about even from M = 4. Every linear of Qwen2.5 and Gemma 3 is >= 128 wide
-and was packed already; MoE routers of < 128 experts, shared-expert gates and tiny test models pay it.
+M and on its position (up to 3e-5 apart at 8960 -> 1536). So `pack_linears` replaces every fp32 linear,
+however small (a MoE router, a tiny model's head). Layers of at most SMALL_OUTPUTS outputs (MoE routers,
+Gated DeltaNet's per-head gates, shared-expert gates, k / v projections of small models) go to specserve's
+own kernel where it is built (`SmallLinear`, kernels/fp32_linear.cpp: one dot product per element, K in
+order, so invariant too): oneDNN's packed call costs 70-190 us at M = 1 there (its threads split N, and
+there is little of it) where reading the weight takes 10-40 us.
 Without AVX2 oneDNN falls back to its jit GEMM, whose M = 1 path is a gemv as well: the padding to 4 rows
 keeps it off it. The tests check rows of M = 2..16 and 64 against M = 1 on the machine they run on.
 
@@ -50,6 +51,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specserve.layers import kernels
 
 ENV_VAR = "SPECSERVE_LINEAR"
 BACKENDS = ("onednn", "torch")
@@ -117,6 +120,27 @@ def linear_backend(enabled: bool | None = None) -> str:
 def packable(w: torch.Tensor) -> bool:
     """Only CPU fp32 weights: other devices have their own kernels, and bf16/fp16 are far slower here."""
     return w.device.type == "cpu" and w.dtype == torch.float32 and not w.is_mkldnn
+
+
+SMALL_OUTPUTS = 512  # a Qwen3-Next router (512 experts) still; oneDNN catches up from ~1024 outputs
+
+
+class SmallLinear(nn.Linear):
+    """Inference-only fp32 nn.Linear with few outputs on specserve's compiled kernel (the module docstring
+    says why); the same parameters and state dict as the nn.Linear it replaces. An input the kernel does not
+    take (one that requires grad while grad is enabled, not fp32) goes through `F.linear`."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (onednn_takes(x) and self.weight.is_contiguous()):
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.specserve.fp32_linear(flat, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -190,9 +214,10 @@ class PackedLinear(nn.Module):
 def pack_linears(
     model: nn.Module, min_features: int = 1, pack_tied: bool = True, enabled: bool | None = None
 ) -> int:
-    """Replace, in place, every CPU fp32 nn.Linear in `model` by a PackedLinear; returns how many.
+    """Replace, in place, every CPU fp32 nn.Linear in `model` by a PackedLinear, or by a SmallLinear where
+    it has at most SMALL_OUTPUTS outputs and specserve's kernels are built; returns how many.
 
-    Call after the weights are loaded and tied. Small layers (a MoE router, a tiny model's head) are packed
+    Call after the weights are loaded and tied. Small layers (a MoE router, a tiny model's head) are replaced
     too, for batch invariance (`F.linear` is not invariant; see the module docstring); layers with fewer than
     `min_features` inputs or outputs stay nn.Linear.
     A weight shared with another parameter of the model (tied lm_head) stays referenced and gets a packed
@@ -212,13 +237,16 @@ def pack_linears(
         if qualname and type(module) is nn.Linear and packable(module.weight):
             if min(module.in_features, module.out_features) >= min_features:
                 names_of.setdefault(id(module), []).append(qualname)
-    count = 0
+    count, small = 0, kernels.ops() is not None
     for names in names_of.values():
         linear = model.get_submodule(names[0])
         shared = uses[linear.weight.untyped_storage().data_ptr()] > 1
         if shared and not pack_tied:
             continue
-        packed = PackedLinear(linear, keep_weight=shared)
+        if small and linear.out_features <= SMALL_OUTPUTS:
+            packed = SmallLinear(linear)
+        else:
+            packed = PackedLinear(linear, keep_weight=shared)
         del linear
         for qualname in names:
             parent_name, _, name = qualname.rpartition(".")

@@ -1,7 +1,8 @@
 """The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp), the
-attention of decode and verification rows from the paged KV cache (attention.cpp), and the row-wise steps
-between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations), and Gated
-DeltaNet's recurrence for short pieces with its rollback (delta_rule.cpp).
+attention of decode and verification rows from the paged KV cache (attention.cpp), the row-wise steps
+between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations), Gated
+DeltaNet's recurrence for short pieces with its rollback (delta_rule.cpp), and fp32 linears with few
+outputs (fp32_linear.cpp: MoE routers, per-head gates).
 
 The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
 into the specserve cache directory, keyed by the sources, torch and Python versions; later processes load
@@ -21,6 +22,7 @@ The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 
     rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots), gated_activation(gate, up, act)
     delta_rule_recurrent(state0, pool, index, slots, starts, lengths, q, k, v, decay, beta, out, deltas, isa)
     delta_rule_replay(pool, slots, state0, k, decay, deltas, which, kept, isa)
+    fp32_linear(x, weight, bias=None, isa=-1)
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from specserve.cache_dir import cache_root, file_lock
 
 ENV_VAR = "SPECSERVE_NO_KERNELS"
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("qlinear.cpp", "attention.cpp", "rows.cpp", "delta_rule.cpp")
+    Path(__file__).with_name(name)
+    for name in ("qlinear.cpp", "attention.cpp", "rows.cpp", "delta_rule.cpp", "fp32_linear.cpp")
 ]
 HEADERS = [Path(__file__).with_name("vec.h")]
 NAME = "specserve_qlinear"
