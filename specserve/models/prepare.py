@@ -75,10 +75,10 @@ def prepare_model(
 
 def place(model: nn.Module, platform: Platform) -> nn.Module:
     """`model` (loaded, quantized, fused) made ready to run on `platform`; in place, returns `model`. The
-    CPU: oneDNN-packed fp32 linears (SPECSERVE_LINEAR=torch keeps nn.Linear) on huge pages; the layers'
-    kernels are the CPU's by default. CUDA: the weights on the GPU, its kernels installed into every layer
-    that has a seam for them (an attention layer's `attention_backend`, a Gated DeltaNet layer's
-    `delta_rule`)."""
+    CPU: oneDNN-packed fp32 linears, the small ones on specserve's kernel (SPECSERVE_LINEAR=torch keeps
+    nn.Linear), on huge pages; the layers' kernels are the CPU's by default. CUDA: the weights on the GPU,
+    its kernels installed into every layer that has a seam for them (an attention layer's
+    `attention_backend`, a Gated DeltaNet layer's `delta_rule`)."""
     if not platform.is_cuda:
         pack_linears(model)
         place_on_huge_pages(model)
