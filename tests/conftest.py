@@ -33,3 +33,14 @@ def tiny_model_dir(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(params=["compiled", "fallback"])
+def compiled_kernels(request, monkeypatch) -> bool:
+    """Run the test with specserve's compiled kernels, then without them (SPECSERVE_NO_KERNELS=1, read
+    when a layer or a forward asks for them); skipped where they are not built. Returns whether they run."""
+    if request.param == "fallback":
+        monkeypatch.setenv(kernels.ENV_VAR, "1")
+    elif kernels.ops() is None:
+        pytest.skip("specserve's kernels are not built here")
+    return request.param == "compiled"

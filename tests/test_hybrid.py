@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from specserve.config import SpecserveError
-from specserve.layers import kernels
 from specserve.layers.gated_deltanet import (
     RECURRENT_MAX_LEN,
     GatedDeltaNet,
@@ -235,17 +234,8 @@ def layer_inputs(layer, lengths: list[int], seed: int) -> list[torch.Tensor]:
     return [torch.randn(n, layer.in_proj_qkv.in_features, generator=gen) for n in lengths]
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def recurrence(request, monkeypatch):
-    """The short pieces' recurrence on specserve's compiled kernel, then on torch ops."""
-    if request.param == "torch":
-        monkeypatch.setenv(kernels.ENV_VAR, "1")
-    elif kernels.ops() is None:
-        pytest.skip("specserve's kernels are not built here")
-    return request.param
-
-
-def test_verified_tokens_equal_tokens_decoded_alone(fam, recurrence):
+# compiled_kernels: the short pieces' recurrence on specserve's kernel, then on torch ops
+def test_verified_tokens_equal_tokens_decoded_alone(fam, compiled_kernels):
     layer = packed_linear_layer(fam)
     prefix_a, verify_a, prefix_b, decode_b, prompt_c = layer_inputs(layer, [9, 5, 3, 1, 40], seed=7)
     state = layer.state_spec().allocate(4, torch.float32)
@@ -260,7 +250,7 @@ def test_verified_tokens_equal_tokens_decoded_alone(fam, recurrence):
         assert torch.equal(state.conv[slot], plain.conv[slot])
 
 
-def test_rollback_replays_bitwise(fam, recurrence):
+def test_rollback_replays_bitwise(fam, compiled_kernels):
     layer = packed_linear_layer(fam)
     prefix_a, prefix_b, verify_a, verify_b = layer_inputs(layer, [9, 4, 5, 8], seed=8)
     base = layer.state_spec().allocate(2, torch.float32)

@@ -74,18 +74,10 @@ def test_bf16_linear_is_batch_invariant(in_features, out_features):
     assert_batch_invariant(lambda x: dense(x.to(torch.bfloat16)), in_features)
 
 
-@pytest.fixture(params=["compiled", "onednn"])
-def small_kernel(request, monkeypatch):
-    """Small layers on specserve's compiled kernel (SmallLinear), then, without it, on oneDNN's."""
-    if request.param == "onednn":
-        monkeypatch.setenv(kernels.ENV_VAR, "1")
-    elif kernels.ops() is None:
-        pytest.skip("specserve's kernels are not built here")
-    return SmallLinear if request.param == "compiled" else PackedLinear
-
-
-def test_small_layers_are_replaced_by_default(small_kernel):
-    """A MoE router or a tiny model's head: left to F.linear, its rows would depend on the batch."""
+def test_small_layers_are_replaced_by_default(compiled_kernels):
+    """A MoE router or a tiny model's head: left to F.linear, its rows would depend on the batch. With
+    specserve's kernels the small ones take SmallLinear, without them oneDNN's PackedLinear."""
+    small_kernel = SmallLinear if compiled_kernels else PackedLinear
     model = nn.ModuleDict({"router": nn.Linear(64, 8), "gate": nn.Linear(96, 1), "head": nn.Linear(64, 256)})
     model["wide"] = nn.Linear(64, SMALL_OUTPUTS + 1)
     assert pack_linears(model, enabled=True) == 4
