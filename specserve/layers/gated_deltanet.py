@@ -332,9 +332,10 @@ class TorchDeltaRule:
         self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
     ) -> tuple[torch.Tensor, RankOneUpdates | None]:
         heads = x.v.shape[1]
-        q, k = repeat_heads(x.q, heads), repeat_heads(x.k, heads)
         out, updates = x.v.new_empty(x.v.shape), None
         compiled = layout.compiled if not (torch.is_grad_enabled() and x.v.requires_grad) else None
+        if layout.long is not None or (layout.short is not None and compiled is None):
+            q, k = repeat_heads(x.q, heads), repeat_heads(x.k, heads)  # the compiled call reads key heads
         if layout.short is not None and compiled is not None:
             updates = self._compiled_short(compiled, x, ssm0, layout, pool, out, keep)
         elif layout.short is not None:
