@@ -64,7 +64,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--load-format",
         choices=LOAD_FORMATS,
         default="auto",
-        help="dummy: random weights, no checkpoint read (config.json is enough; for benchmarks)",
+        help="dummy: random weights, no checkpoint read (config.json is enough; for benchmarks), a draft "
+        "model's too",
     )
     parser.add_argument(
         "--gpu-memory-utilization",

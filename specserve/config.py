@@ -241,7 +241,8 @@ class EngineConfig:
     # "auto" (CUDA when torch sees a GPU, else the CPU) | "cpu" | "cuda" | "cuda:N" (specserve/platform.py)
     device: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory this engine may use (vLLM's)
-    # "auto": the checkpoint's weights; "dummy": random ones, no checkpoint read (vLLM's; benchmarks)
+    # "auto": the checkpoint's weights; "dummy": random ones, no checkpoint read, a draft model's too
+    # (vLLM's; benchmarks)
     load_format: str = "auto"
     # CUDA: no graphs, every step eager (graphs replay decode and verification steps, worker/cuda_graphs.py)
     enforce_eager: bool = False

@@ -125,7 +125,7 @@ def _check_drafter(
     if spec is None:
         return
     if spec.method == "draft_model":
-        _check_draft_model(spec, target_files, target_text)
+        _check_draft_model(spec, target_files, target_text, config.load_format)
     elif spec.model is not None:  # a drafter checkpoint (or a Gemma 4 assistant, under method 'mtp')
         locate_model(spec.model)  # a path that is not there, or a name that is nothing, fails here
     if target_text is None:
@@ -144,8 +144,10 @@ def _check_drafter(
             )
 
 
-def _check_draft_model(spec: SpeculativeConfig, target_files: ModelFiles | None, target_text) -> None:
-    draft_files = locate_model(spec.model)
+def _check_draft_model(
+    spec: SpeculativeConfig, target_files: ModelFiles | None, target_text, load_format: str
+) -> None:
+    draft_files = locate_model(spec.model, need_weights=load_format != "dummy")
     draft_config = model_config(draft_files)
     if draft_config is None or target_text is None:
         return

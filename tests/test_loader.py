@@ -550,5 +550,16 @@ def test_dummy_weights_need_only_the_config(tmp_path, tiny_model_dir):
     assert abs(weights.std().item() - 0.02) < 0.002 and abs(weights.mean().item()) < 0.002
     out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+    # A draft model's weights are random too: one seed, so a draft of the target's own config is the
+    # target, and greedy speculation accepts every draft and decodes what plain greedy does.
+    draft = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    with pytest.raises(SpecserveError, match=r"config.json but no \*.safetensors"):
+        LLM(str(tmp_path), max_model_len=64, speculative_config=draft)
+    spec = LLM(str(tmp_path), load_format="dummy", max_model_len=64, speculative_config=draft)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate([[3, 4, 5]], params)[0].outputs[0].token_ids
+    assert spec.generate([[3, 4, 5]], params)[0].outputs[0].token_ids == plain
+    stats = spec.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     with pytest.raises(SpecserveError, match="load_format must be one of auto, dummy"):
         LLM(str(tmp_path), load_format="random")

@@ -175,6 +175,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=self.generator,
             platform=self.config.platform,
+            load_format=self.config.load_format,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
 

@@ -28,6 +28,7 @@ class TargetContext:
     generator: torch.Generator  # unseeded requests draw from the engine's generator
     tensor_parallel_size: int = 1  # ranks the target is split over (its runner's cost depends on it)
     platform: Platform = CPU  # where the target runs: drafters load onto it and draw on its device
+    load_format: str = "auto"  # the target's; "dummy" makes a draft model's weights random too (as vLLM)
 
     @property
     def vocab_size(self) -> int:

@@ -98,7 +98,11 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> DraftModelDrafter:
         model, hf_config, tokenizer = load_model(
-            config.model, dtype=target.torch_dtype, quantization=config.quantization, platform=target.platform
+            config.model,
+            dtype=target.torch_dtype,
+            quantization=config.quantization,
+            platform=target.platform,
+            load_format=target.load_format,
         )
         draft_vocab = getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size", None)
         if draft_vocab != target.vocab_size:
