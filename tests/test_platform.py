@@ -5,6 +5,7 @@ lookup with host indices passes there)."""
 
 import argparse
 import json
+import time
 
 import pytest
 import torch
@@ -173,7 +174,9 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     from specserve.bench.gpu import KS, main
 
     argv = ["--device", "cpu", "--shape", "tiny", "--dtype", "float32", "--context", "40", "--repeats", "1"]
-    argv += ["--concurrency", "1,2", "--input-len", "8", "--output-len", "3", "--copy-bytes", "100000"]
+    argv += ["--concurrency", "1,2", "--input-len", "16", "--output-len", "12", "--copy-bytes", "100000"]
+    # A draft of the target's shape gets the target's random weights (one seed): every draft is accepted.
+    argv += ["--draft-shape", "tiny", "--spec-k", "3"]
     main([*argv, "--new-tokens", "3", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "gpu-bench.json").read_text())
     assert list(result["runs"]) == ["eager"]  # the CPU captures no graphs
@@ -184,5 +187,37 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     # CPU it can come out of the noise with either sign; only that the anchor is measured is checked here)
     assert "transformers_tokens_per_s" in result and "vs_transformers" in run
     assert (tmp_path / "verify-cost.png").stat().st_size > 0
-    assert set(run["output_tokens_per_s"]) == {"1", "2"} and min(run["output_tokens_per_s"].values()) > 0
-    assert "T(k)/T(1)" in capsys.readouterr().out
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+    spec = result["speculative"]
+    assert spec["mode"] == "eager" and spec["k"] == 3 and not spec["skipped"]
+    draft, ngram = spec["configs"]["specserve draft_model k=3"], spec["configs"]["specserve ngram k=3"]
+    for served, accepted in ((run["serving"], None), (draft, 1.0), (ngram, None)):
+        assert set(served) == {"1", "2"}
+        for c, figures in served.items():
+            assert figures["output_tokens"] == int(c) * 12  # every request got exactly what it asked for
+            assert figures["output_tokens_per_s"] > 0 and figures["user_tokens_per_s"] > 0
+            if served is not run["serving"]:
+                assert figures["draft_tokens"] > 0 and 0 <= figures["acceptance_rate"] <= 1
+                assert 1 <= figures["tokens_per_round"] <= 4
+            if accepted is not None:
+                assert figures["acceptance_rate"] == accepted and figures["tokens_per_round"] > 1
+    # The n-gram drafter finds its matches in the repeating prompts, and some are accepted.
+    assert max(figures["acceptance_rate"] for figures in ngram.values()) > 0
+    out = capsys.readouterr().out
+    assert "T(k)/T(1)" in out and "drafts accepted" in out and "random weights" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--draft-shape", "qwen3-0.6b"])  # another vocabulary: refused before anything runs
+    assert "another vocabulary" in capsys.readouterr().err
+
+
+def test_the_gpu_benchmark_starts_no_speculative_run_past_its_budget():
+    """Past `--budget-s` every speculative run left is listed as skipped, none is started (no engine is
+    built from the model directories, which do not exist)."""
+    from specserve.bench.gpu import speculation
+
+    args = argparse.Namespace(spec_k=2, spec_concurrency=[8, 1], draft_shape="tiny")
+    spec = speculation("no-model", "no-draft", args, "graphs", False, deadline=time.monotonic() - 1)
+    assert spec["configs"] == {"specserve ngram k=2": {}, "specserve draft_model k=2": {}}
+    assert spec["skipped"] == [
+        f"specserve {method} k=2 at {c}" for c in (1, 8) for method in ("ngram", "draft_model")
+    ]

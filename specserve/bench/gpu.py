@@ -7,17 +7,26 @@ ones), each figure against one measured in the same run:
   of the roofline (the bytes a decode step must read, weights and KV, x tokens/s / copy bandwidth);
 - T(k) / T(1) for k = 1..16: the verification forward of k tokens at batch 1, the cost curve the
   load-aware planner reads (also drawn: verify-cost.png);
-- output tokens/s of the whole engine at 1 / 8 / 32 / 128 concurrent requests (`--concurrency`) of
-  `--input-len` random prompt tokens and `--output-len` generated ones;
+- the whole engine serving 1 / 8 / 32 / 128 concurrent requests (`--concurrency`) of `--input-len` prompt
+  tokens and `--output-len` generated ones: output tokens/s per device and per user (the median of
+  1 / TPOT);
 - Hugging Face transformers' eager `generate` with a static cache, the same shapes on the same device: the
-  anchor.
+  anchor;
+- the same serving with speculation (`--spec-concurrency`, default `--concurrency`; `--spec-k` drafts a
+  round): a `--draft-shape` draft model (Qwen3-0.6B's) and the n-gram drafter, beside plain decoding: per
+  device, per user, and the share of drafts accepted (also drawn: pareto.png, tokens/s per user against
+  per device). `--budget-s` starts no speculative run once that many seconds have passed.
 
-The weights are random (`load_format="dummy"`: the engine reads config.json alone).
+The weights are random (`load_format="dummy"`: the engine reads config.json alone), the draft model's too:
+it is unrelated to the target, so it accepts next to nothing, and its figures are the cost of speculation
+without its gain. The n-gram drafter proposes from the prompts (a random block repeated) and the output so
+far: what it accepts is what the random target's greedy output happens to repeat.
 
     python -m specserve.bench.gpu [--shape qwen3-8b] [--context 1024] [--out DIR]
 
-Eager execution (CUDA graphs are not captured yet). `--device cpu --shape tiny` runs it anywhere (the suite
-does, as a check of the script itself).
+The figures come with CUDA graphs and again eager (`enforce_eager`); speculation with graphs alone.
+`--device cpu --shape tiny --draft-shape tiny` runs it anywhere (the suite does, as a check of the script
+itself; a draft of the target's shape gets the target's weights, one seed, and accepts every draft).
 """
 
 from __future__ import annotations
@@ -34,7 +43,11 @@ import torch
 import transformers
 
 from specserve import LLM, SamplingParams
+from specserve.bench.serve.metrics import RequestRecord, Sla, summarize
+from specserve.bench.serve.report import plot_pareto
+from specserve.bench.spec_decode import default_configs
 from specserve.cli_args import int_list
+from specserve.core.spec_stats import SpecStats
 from specserve.models.loader import load_model
 from specserve.platform import resolve_platform
 from specserve.worker.cuda_graphs import graph_config
@@ -42,6 +55,7 @@ from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_
 
 BLOCK = 16
 KS = range(1, 17)
+PERIOD = 32  # tokens of the random block a prompt repeats
 _QWEN3 = dict(rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1_000_000.0)
 SHAPES = {  # text configs of the released models (transformers.Qwen3Config keys)
     "qwen3-8b": dict(
@@ -154,8 +168,21 @@ def transformers_decode_s(config, dtype: torch.dtype, device: torch.device, cont
     return (many - one) / (new - 1)
 
 
-def throughput(model_dir: str, args: argparse.Namespace, concurrency: int, eager: bool) -> float:
-    """Output tokens/s of the engine serving `concurrency` requests at once, prompts of random tokens."""
+def repeating_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens, each a random block of up to PERIOD tokens repeated: the n-gram
+    drafter finds matches in them; to the other configurations (random weights) any tokens time alike."""
+    generator = torch.Generator().manual_seed(seed)
+    period = max(1, min(PERIOD, length // 2))
+    blocks = torch.randint(0, vocab_size, (count, period), generator=generator)
+    return blocks.repeat(1, -(-length // period))[:, :length].tolist()
+
+
+def serve(
+    model_dir: str, args: argparse.Namespace, concurrency: int, eager: bool, speculative: dict | None = None
+) -> dict:
+    """The engine serving `concurrency` requests at once (the same prompts for every configuration), with
+    `speculative` (a speculative config) or without: output tokens/s per device and per user (the median of
+    1 / TPOT), and with speculation the drafts verified and the share of them accepted."""
     llm = LLM(
         model_dir,
         device=args.device,
@@ -164,19 +191,47 @@ def throughput(model_dir: str, args: argparse.Namespace, concurrency: int, eager
         load_format="dummy",
         max_num_seqs=concurrency,
         max_model_len=args.input_len + args.output_len,
+        speculative_config=speculative,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    vocab = llm.engine.vocab_size
-    prompts = [torch.randint(0, vocab, (args.input_len,)).tolist() for _ in range(concurrency)]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    synchronize(llm.engine.config.platform.device)
+    vocab, device = llm.engine.vocab_size, llm.engine.config.platform.device
+    prompts = repeating_prompts(vocab, concurrency, args.input_len, seed=concurrency)
+    # Warm-up at the same concurrency, on prompts of their own (no prefix to reuse): the kernels compile
+    # and the decode and verification steps' graphs are captured outside the timing.
+    warm = repeating_prompts(vocab, concurrency, min(args.input_len, 2 * PERIOD), seed=2**20 + concurrency)
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    synchronize(device)
     start = time.perf_counter()
-    llm.generate(prompts, params)
-    synchronize(llm.engine.config.platform.device)
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    )
+    synchronize(device)
     seconds = time.perf_counter() - start
     del llm
     release_memory()  # the next engine's cache budget is measured from what is allocated
-    return concurrency * args.output_len / seconds
+    records = [
+        RequestRecord(
+            start=out.metrics.arrival_time,
+            end=out.metrics.finish_time,
+            chunk_times=[out.metrics.first_token_time],
+            prompt_tokens=len(out.prompt_token_ids),
+            output_tokens=len(out.outputs[0].token_ids),
+        )
+        for out in outputs
+    ]
+    summary = summarize(records, seconds, Sla())
+    figures = {
+        "output_tokens": summary["total_output_tokens"],
+        "output_tokens_per_s": summary["output_throughput"],
+        "user_tokens_per_s": summary["user_tokens_per_s"]["p50"],
+    }
+    if speculative is not None:
+        stats = SpecStats.total(out.spec_stats for out in outputs)
+        figures.update(
+            draft_tokens=stats.num_draft_tokens,
+            acceptance_rate=stats.acceptance_rate,
+            tokens_per_round=stats.mean_acceptance_length,
+        )
+    return figures
 
 
 def release_memory() -> None:
@@ -186,6 +241,7 @@ def release_memory() -> None:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict:
+    started = time.monotonic()
     platform = resolve_platform(args.device)
     device, dtype = platform.device, getattr(torch, args.dtype)
     config = transformers.Qwen3Config(**SHAPES[args.shape])
@@ -214,15 +270,44 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     del model
     release_memory()
     for mode, eager in modes.items():
-        result["runs"][mode]["output_tokens_per_s"] = {
-            c: throughput(model_dir, args, c, eager) for c in args.concurrency
-        }
+        result["runs"][mode]["serving"] = {c: serve(model_dir, args, c, eager) for c in args.concurrency}
     if not args.no_transformers:
         hf_s = transformers_decode_s(config, dtype, device, args.context, args.new_tokens)
         result["transformers_tokens_per_s"] = 1 / hf_s
         for run in result["runs"].values():
             run["vs_transformers"] = run["decode_tokens_per_s"] * hf_s
+    if not args.no_speculation:
+        draft_dir = config_dir(transformers.Qwen3Config(**SHAPES[args.draft_shape]), workdir / "draft")
+        mode = next(iter(modes))  # with CUDA graphs where the platform captures them
+        deadline = started + args.budget_s if args.budget_s is not None else float("inf")
+        result["speculative"] = speculation(model_dir, draft_dir, args, mode, modes[mode], deadline)
     return result
+
+
+def speculation(
+    model_dir: str, draft_dir: str, args: argparse.Namespace, mode: str, eager: bool, deadline: float
+) -> dict:
+    """The serving runs again with each drafter (a draft model of `--draft-shape`, the n-gram drafter) at
+    each `--spec-concurrency`, lowest first, until the monotonic clock passes `deadline`; the rest are
+    listed as skipped."""
+    configs = default_configs(draft_dir, [args.spec_k])
+    found: dict[str, dict[int, dict]] = {name: {} for name, _ in configs}
+    skipped = []
+    for concurrency in sorted(args.spec_concurrency):
+        for name, config in configs:
+            if time.monotonic() > deadline:
+                skipped.append(f"{name} at {concurrency}")
+            else:
+                found[name][concurrency] = serve(model_dir, args, concurrency, eager, config)
+    return {
+        "mode": mode,
+        "k": args.spec_k,
+        "draft_shape": args.draft_shape,
+        "note": "random weights: the draft model is unrelated to the target (its acceptance means nothing);"
+        " the n-gram drafter accepts what the random target's greedy output repeats of its context",
+        "configs": found,
+        "skipped": skipped,
+    }
 
 
 def report(result: dict) -> str:
@@ -244,12 +329,49 @@ def report(result: dict) -> str:
         lines.append(
             f"[{mode}] T(k)/T(1): " + "  ".join(f"{k}: {r:.2f}" for k, r in run["verify_ratio"].items())
         )
-        shape = f"{result['input_len']} in / {result['output_len']} out"
-        lines.append(
-            f"[{mode}] output tokens/s at {shape}, by concurrent requests: "
-            + "  ".join(f"{c}: {t:.0f}" for c, t in run["output_tokens_per_s"].items())
-        )
+        lines.append(_serving_line(mode, result, run["serving"]))
+    spec = result.get("speculative")
+    if spec:
+        lines.append(f"[speculation, k={spec['k']}, {spec['draft_shape']} draft] {spec['note']}")
+        lines += [
+            _serving_line(f"{spec['mode']} + {name}", result, by) for name, by in spec["configs"].items()
+        ]
+        if spec["skipped"]:
+            lines.append("skipped (--budget-s): " + ", ".join(spec["skipped"]))
     return "\n".join(lines)
+
+
+def _serving_line(label: str, result: dict, served: dict) -> str:
+    """Output tokens/s per device by concurrent requests, per user and accepted drafts in brackets."""
+
+    def point(figures: dict) -> str:
+        text = f"{figures['output_tokens_per_s']:.0f} ({figures['user_tokens_per_s']:.1f}/user"
+        if "acceptance_rate" in figures:
+            text += f", {figures['acceptance_rate']:.0%} of {figures['draft_tokens']} drafts accepted"
+        return text + ")"
+
+    shape = f"{result['input_len']} in / {result['output_len']} out"
+    points = "  ".join(f"{c}: {point(figures)}" for c, figures in served.items())
+    return f"[{label}] output tokens/s at {shape}, by concurrent requests: {points}"
+
+
+def pareto_runs(result: dict) -> list[dict]:
+    """Each serving run, plain and speculative, as an operating point of the sweep report's Pareto plot."""
+    lines = {mode: run["serving"] for mode, run in result["runs"].items()}
+    spec = result.get("speculative")
+    if spec:
+        lines.update({f"{spec['mode']} + {name}": by for name, by in spec["configs"].items()})
+    return [
+        {
+            "label": label,
+            "concurrency": int(c),
+            "output_throughput": figures["output_tokens_per_s"],
+            "user_tokens_per_s": {"p50": figures["user_tokens_per_s"]},
+            "error": None,
+        }
+        for label, served in lines.items()
+        for c, figures in served.items()
+    ]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -270,6 +392,9 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    shape = f"{result['input_len']} in / {result['output_len']} out"
+    title = f"{result['shape']} on {result['device']}, {shape} (random weights)"
+    plot_pareto(pareto_runs(result), path.with_name("pareto.png"), title)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,8 +412,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--out", default=None, help="directory for gpu-bench.json and verify-cost.png")
+    parser.add_argument("--draft-shape", choices=list(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--spec-k", type=int, default=4, help="draft tokens a round")
+    parser.add_argument("--spec-concurrency", type=int_list, default=None, help="default: --concurrency")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="start no speculative run after this many seconds"
+    )
+    parser.add_argument("--no-speculation", action="store_true")
+    parser.add_argument(
+        "--out", default=None, help="directory for gpu-bench.json, verify-cost.png and pareto.png"
+    )
     args = parser.parse_args(argv)
+    args.spec_concurrency = args.spec_concurrency or args.concurrency
+    if args.output_len < 2:
+        parser.error("--output-len must be at least 2 (per-user speed is 1 / time per output token)")
+    if SHAPES[args.draft_shape]["vocab_size"] != SHAPES[args.shape]["vocab_size"]:
+        parser.error(f"--draft-shape {args.draft_shape} has another vocabulary than --shape {args.shape}")
     with tempfile.TemporaryDirectory() as workdir:
         result = run(args, Path(workdir))
     print(report(result))
