@@ -10,7 +10,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers import kernels
-from specserve.layers.moe import Experts, route_topk
+from specserve.layers.moe import Experts, combine, dispatch, route_topk
 from specserve.models.loader import load_model
 
 needs_kernel = pytest.mark.skipif(not kernels.ops(), reason="experts are grouped on specserve's kernel")
@@ -78,6 +78,52 @@ def test_grouped_experts_with_many_experts_most_without_rows():
         x = torch.randn(m, 64)
         weights, ids = route_topk(torch.randn(m, 128), 8, True)
         assert torch.equal(experts(x, weights, ids), looped_reference(experts, x, weights, ids))
+
+
+@needs_kernel
+def test_compiled_dispatch_and_combine_equal_torch_bitwise(monkeypatch):
+    """moe.cpp's two calls against torch's operators: the rows, counts and slots exactly, the combined sums
+    bitwise (products rounded, then added in id order), at decode, verification and prompt sizes, a
+    token-less call, routings with unused experts, and a strided x."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(37, 80, generator=g)
+    for x, top_k, num_experts in [
+        (torch.randn(1, 64, generator=g), 8, 128),
+        (torch.randn(9, 48, generator=g), 8, 128),
+        (torch.randn(16, 7, generator=g), 4, 6),
+        (wide[:, 3:36], 2, 4),  # rows 80 floats apart
+        (torch.randn(0, 16, generator=g), 2, 4),
+    ]:
+        n, h = x.shape
+        ids = torch.rand(n, num_experts, generator=g).argsort(dim=1)[:, :top_k]  # distinct, in no order
+        weights = torch.rand(n, top_k, generator=g)
+        y = torch.randn(n * top_k, h, generator=g) * torch.logspace(-3, 3, h)  # sums that round
+        compiled = (
+            *dispatch(x, ids, num_experts),
+            combine(y, weights, ids, dispatch(x, ids, num_experts)[2]),
+        )
+        with monkeypatch.context() as patch:
+            patch.setenv(kernels.ENV_VAR, "1")
+            reference = (
+                *dispatch(x, ids, num_experts),
+                combine(y, weights, ids, dispatch(x, ids, num_experts)[2]),
+            )
+        for got, want, name in zip(compiled, reference, ("rows", "counts", "slots", "sums"), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want), (name, x.shape, top_k)
+
+
+@needs_kernel
+def test_compiled_dispatch_and_combine_refuse_bad_routing():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="expert id 4 outside"):
+        dispatch(x, torch.tensor([[0, 1], [2, 4], [1, 3]]), 4)
+    with pytest.raises(RuntimeError, match="slot 9 outside"):
+        combine(
+            torch.randn(6, 8),
+            torch.rand(3, 2),
+            torch.tensor([[0, 1], [2, 3], [1, 3]]),
+            torch.tensor([[0, 1], [2, 3], [4, 9]]),
+        )
 
 
 def test_experts_off_the_kernel_keep_the_loop(tiny_model_dir):

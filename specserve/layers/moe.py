@@ -1,10 +1,11 @@
 """Sparse mixture-of-experts feed-forward: top-k routing and a flat-batch expert dispatch.
 
-Tokens are grouped by expert (one sort) and each token's weighted terms added back in the order of its
-experts' ids. In between, on specserve's kernels (quantized experts, `Experts.stack_experts`), every
-expert's rows go through each projection in one grouped kernel call, so a verification block of k + 1 rows
-reads each routed expert once and pays one call a projection; otherwise each expert that received rows runs
-once over them: one Python iteration per *active expert*, never per token. Both give each row bitwise the
+Tokens are grouped by expert (a stable sort, `dispatch`) and each token's weighted terms added back in the
+order of its experts' ids (`combine`), each in one compiled call on specserve's kernels (moe.cpp; torch's
+operators otherwise, bitwise alike). In between, on specserve's kernels (quantized experts,
+`Experts.stack_experts`), every expert's rows go through each projection in one grouped kernel call, so a
+verification block of k + 1 rows reads each routed expert once and pays one call a projection; otherwise
+each expert that received rows runs once over them: one Python iteration per *active expert*, never per token. Both give each row bitwise the
 same result (the kernels are row-invariant).
 """
 
@@ -30,6 +31,45 @@ def route_topk(
     return weights.to(router_logits.dtype), ids
 
 
+def dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """The tokens' rows sorted by expert, stably (a token's pairs come in the order of their experts' ids):
+    (rows [N * k, H], counts [E] of rows per expert, slots [N, k]: where pair (token, j) sits in rows)."""
+    if _compiled(x, ids):
+        return torch.ops.specserve.moe_dispatch(x, ids.contiguous(), num_experts)
+    top_k = ids.shape[1]
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    return x.index_select(0, order // top_k), counts, order.argsort().view(-1, top_k)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each token's terms y[slots] * weights, added from zero in the order of its experts' ids  [N, H]."""
+    if _compiled(y, ids, weights):
+        return torch.ops.specserve.moe_combine(y, weights, ids.contiguous(), slots)
+    by_id = ids.argsort(dim=1)
+    terms = y.index_select(0, slots.gather(1, by_id).flatten()).view(
+        *ids.shape, y.shape[-1]
+    )  # (y[...] costs more)
+    terms = terms * weights.gather(1, by_id)[..., None]
+    # added in that order (index_add_ would add them in the same order, but runs as a serial scatter: 0.43 ms
+    # a layer for 8 rows)
+    out = torch.zeros_like(terms[:, 0])
+    for j in range(ids.shape[1]):
+        out += terms[:, j]
+    return out
+
+
+def _compiled(x: torch.Tensor, ids: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether moe.cpp takes the call: specserve's kernels, fp32 rows on the CPU, int64 ids."""
+    return (
+        x.dim() == 2
+        and ids.dtype == torch.int64
+        and kernels.ops() is not None
+        and kernels.rows_take(x, *others)
+    )
+
+
 class Experts(nn.ModuleList):
     """Expert MLPs, named `{e}.gate_proj.weight` etc. as in HF checkpoints."""
 
@@ -40,24 +80,12 @@ class Experts(nn.ModuleList):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H]; weights, ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]."""
-        top_k = ids.shape[1]
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)  # a token's slots come in the order of their experts' ids
-        counts = torch.bincount(flat_ids, minlength=len(self))
-        rows = x.index_select(0, order // top_k)  # sorted by expert: counts[e] rows for expert e
+        rows, counts, slots = dispatch(x, ids, len(self))
         if self.stacks is not None and x.dim() == 2 and kernels.rows_take(rows):
             y = self._grouped(rows, counts)
         else:
             y = self._looped(rows, counts.tolist())
-        y = (y * weights.flatten()[order, None]).to(x.dtype)
-        # each token's k terms [N, k, H] in its experts' order, added in that order from zero (index_add_
-        # would add them in the same order, but runs as a serial scatter: 0.43 ms a layer for 8 rows)
-        slots = order.argsort().view(-1, top_k).gather(1, ids.argsort(dim=1))
-        terms = y.index_select(0, slots.flatten()).view(*ids.shape, x.shape[-1])  # (x[...] costs more)
-        out = torch.zeros_like(x)
-        for j in range(top_k):
-            out += terms[:, j]
-        return out
+        return combine(y.to(x.dtype), weights, ids, slots)
 
     def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert over its rows, one call each."""

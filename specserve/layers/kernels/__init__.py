@@ -1,8 +1,9 @@
 """The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp), the
 attention of decode and verification rows from the paged KV cache (attention.cpp), the row-wise steps
 between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations), Gated
-DeltaNet's recurrence for short pieces with its rollback (delta_rule.cpp), and fp32 linears with few
-outputs (fp32_linear.cpp: MoE routers, per-head gates).
+DeltaNet's recurrence for short pieces with its rollback (delta_rule.cpp), fp32 linears with few
+outputs (fp32_linear.cpp: MoE routers, per-head gates), and a mixture-of-experts layer's routing
+bookkeeping (moe.cpp).
 
 The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
 into the specserve cache directory, keyed by the sources, torch and Python versions; later processes load
@@ -23,6 +24,7 @@ The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 
     delta_rule_recurrent(state0, pool, index, slots, starts, lengths, q, k, v, decay, beta, out, deltas, isa)
     delta_rule_replay(pool, slots, state0, k, decay, deltas, which, kept, isa)
     fp32_linear(x, weight, bias=None, isa=-1)
+    moe_dispatch(x, ids, num_experts) -> (rows, counts, slots), moe_combine(y, weights, ids, slots)
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from specserve.cache_dir import cache_root, file_lock
 ENV_VAR = "SPECSERVE_NO_KERNELS"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("qlinear.cpp", "attention.cpp", "rows.cpp", "delta_rule.cpp", "fp32_linear.cpp")
+    for name in ("qlinear.cpp", "attention.cpp", "rows.cpp", "delta_rule.cpp", "fp32_linear.cpp", "moe.cpp")
 ]
 HEADERS = [Path(__file__).with_name("vec.h")]
 NAME = "specserve_qlinear"
