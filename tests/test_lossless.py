@@ -25,8 +25,8 @@ pytestmark = pytest.mark.kernel_agnostic
 
 V = 16
 PROMPT = [3, 7, 1, 12, 5]
-NUM_SAMPLES = 20_000  # the reference cases and the power check
-DRAFTER_SAMPLES = 8_000  # each further case: a wrong q row (a missing Markov bias...) biases far more
+NUM_SAMPLES = 20_000  # the slow tier's reference cases
+DRAFTER_SAMPLES = 8_000  # every case of the default tier and the power checks
 
 
 def make_model(directory, seed: int, logit_scale: float):
@@ -177,7 +177,7 @@ def sampled_joint(
     spec: dict,
     params: SamplingParams,
     length: int,
-    num_samples: int = NUM_SAMPLES,
+    num_samples: int,
     tensor_parallel_size: int = 1,
     **engine_args,
 ) -> dict:
@@ -234,7 +234,6 @@ def chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:
     return stats.chisquare(observed, [e * scale for e in expected]).pvalue
 
 
-REFERENCE_CASES = ("temperature_1", "temperature_0.7_top_p_top_k")  # with the draft model: NUM_SAMPLES
 # max_tokens 5: after the prefill token, one round verifies 3 drafts; x1..x3 are compared.
 CASES = {
     "temperature_1": SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),
@@ -271,9 +270,17 @@ def test_speculative_sampling_matches_the_target_distribution(drafter, case, mod
     reference, target_dir, _, _ = models
     params = CASES[case]
     exact = exact_joint(reference, params, 3)
-    n = NUM_SAMPLES if drafter == "draft_model" and case in REFERENCE_CASES else DRAFTER_SAMPLES
-    counts = sampled_joint(target_dir, drafters[drafter], params, 3, n)
-    assert chi_square_pvalue(counts, exact, n) > 0.001
+    counts = sampled_joint(target_dir, drafters[drafter], params, 3, DRAFTER_SAMPLES)
+    assert chi_square_pvalue(counts, exact, DRAFTER_SAMPLES) > 0.001
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["temperature_1", "temperature_0.7_top_p_top_k"])
+def test_the_draft_model_matches_the_target_distribution_at_more_samples(case, models, drafters):
+    """The reference cases with 2.5x the samples: a bias of 1/sqrt(2.5) the size is seen."""
+    reference, target_dir, _, _ = models
+    counts = sampled_joint(target_dir, drafters["draft_model"], CASES[case], 3, NUM_SAMPLES)
+    assert chi_square_pvalue(counts, exact_joint(reference, CASES[case], 3), NUM_SAMPLES) > 0.001
 
 
 def test_speculative_sampling_matches_the_target_distribution_at_tp2(models, drafters):
@@ -292,8 +299,8 @@ def test_a_sampler_without_the_residual_fails(models, drafters, monkeypatch):
     reference, target_dir, _, _ = models
     params = CASES["temperature_1"]
     exact = exact_joint(reference, params, 3)
-    counts = sampled_joint(target_dir, drafters["dspark_vanilla"], params, 3)
-    assert chi_square_pvalue(counts, exact, NUM_SAMPLES) < 1e-6
+    counts = sampled_joint(target_dir, drafters["dspark_vanilla"], params, 3, DRAFTER_SAMPLES)
+    assert chi_square_pvalue(counts, exact, DRAFTER_SAMPLES) < 1e-6
 
 
 def test_verifying_drafts_by_their_own_probability_fails(models, drafters, monkeypatch):
