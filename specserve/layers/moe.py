@@ -5,8 +5,8 @@ order of its experts' ids (`combine`), each in one compiled call on specserve's 
 operators otherwise, bitwise alike). In between, on specserve's kernels (quantized experts,
 `Experts.stack_experts`), every expert's rows go through each projection in one grouped kernel call, so a
 verification block of k + 1 rows reads each routed expert once and pays one call a projection; otherwise
-each expert that received rows runs once over them: one Python iteration per *active expert*, never per token. Both give each row bitwise the
-same result (the kernels are row-invariant).
+each expert that received rows runs once over them: one Python iteration per *active expert*, never per
+token. Both give each row bitwise the same result (the kernels are row-invariant).
 """
 
 from __future__ import annotations
