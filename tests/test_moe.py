@@ -126,6 +126,33 @@ def test_compiled_dispatch_and_combine_refuse_bad_routing():
         )
 
 
+@needs_kernel
+@pytest.mark.parametrize("arch,stacked", [("qwen3_next", True), ("qwen3_5_moe", False)])
+def test_a_shared_expert_of_the_routed_shape_runs_in_their_grouped_calls(arch, stacked, tiny_model_dir):
+    """Qwen3-Next's shared expert (as wide as a routed one) is stacked as expert E, routed every token at
+    its gate, added last: bitwise the block with the shared expert apart, each row as when it is alone.
+    Qwen3.5-MoE's tiny one is wider: kept apart."""
+    from specserve.models.qwen import QwenSparseMoe
+
+    model, _, _ = load_model(str(tiny_model_dir(arch)), quantization="int4")
+    blocks = [m for m in model.modules() if isinstance(m, QwenSparseMoe)]
+    assert blocks and all(b.experts.shared_stacked == stacked for b in blocks)
+    g = torch.Generator().manual_seed(0)
+    for block in blocks:
+        if stacked:
+            down = block.experts.stacks[1].buffers[0]
+            assert len(down) == len(block.experts) + 1
+            assert storage(block.shared_expert.down_proj.packed) == storage(down)
+        for m in (1, 5, 9, 37):
+            x = torch.randn(m, block.gate.in_features, generator=g)
+            got = block(x)
+            weights, ids = route_topk(block.gate(x), block.top_k, True)
+            gate = torch.sigmoid(block.shared_expert_gate(x).double()).float()
+            apart = block.experts(x, weights, ids) + gate * block.shared_expert(x)  # its own calls
+            assert torch.equal(got, apart), m
+            assert torch.equal(got, torch.cat([block(x[i : i + 1]) for i in range(m)])), m
+
+
 def test_experts_off_the_kernel_keep_the_loop(tiny_model_dir):
     """Unquantized (fp32) experts are not stacked; they run one by one, as the reference does."""
     model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")))
@@ -138,7 +165,10 @@ def test_experts_off_the_kernel_keep_the_loop(tiny_model_dir):
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch,mode", [("qwen3_moe", "int4"), ("qwen3_moe", "int8"), ("qwen3_5_moe", "int4")])
+@pytest.mark.parametrize(
+    "arch,mode",
+    [("qwen3_moe", "int4"), ("qwen3_moe", "int8"), ("qwen3_5_moe", "int4"), ("qwen3_next", "int4")],
+)
 def test_greedy_speculation_on_a_quantized_moe_target_is_exact(arch, mode, tiny_model_dir):
     target = str(tiny_model_dir(arch))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10]]

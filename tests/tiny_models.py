@@ -82,8 +82,13 @@ def _hybrid_configs() -> dict[str, transformers.PretrainedConfig]:
         "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig(
             **common, **moe, rope_parameters={**mrope, "mrope_interleaved": True}
         ),
+        # its shared expert as wide as a routed one, as in the real Qwen3-Next (stacked with them when
+        # quantized); Qwen3.5-MoE's here is wider (kept apart)
         "qwen3_next": transformers.Qwen3NextConfig(
-            **common, **moe, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1]
+            **{**common, **moe, "shared_expert_intermediate_size": 32},
+            intermediate_size=96,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
         ),
     }
 

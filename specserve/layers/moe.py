@@ -77,15 +77,31 @@ class Experts(nn.ModuleList):
         super().__init__(GatedMLP(hidden_size, intermediate_size, act) for _ in range(num_experts))
         self.stacks: tuple[StackedLinears, StackedLinears] | None = None  # gate|up, down (`stack_experts`)
         self.gate_up_sizes: list[int] = []
+        self.shared_stacked = False  # a shared expert is stacked after the routed ones, as expert E
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; weights, ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]."""
-        rows, counts, slots = dispatch(x, ids, len(self))
-        if self.stacks is not None and x.dim() == 2 and kernels.rows_take(rows):
-            y = self._grouped(rows, counts)
-        else:
-            y = self._looped(rows, counts.tolist())
-        return combine(y.to(x.dtype), weights, ids, slots)
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        shared: tuple[GatedMLP, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [N, H]; weights, ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]. `shared`:
+        (an expert every token takes, its weights [N, 1]), whose term is added last; stacked with the
+        routed ones (`stack_experts`), it is routed as expert E and runs in their grouped calls."""
+        grouped = self.stacks is not None and x.dim() == 2 and kernels.rows_take(x)
+        num_experts = len(self) + (grouped and self.shared_stacked)  # the stack's layers
+        if shared is not None and grouped and self.shared_stacked:
+            ids = torch.cat([ids, ids.new_full((len(ids), 1), len(self))], dim=1)  # the last id: added last
+            weights = torch.cat([weights, shared[1]], dim=1)
+            shared = None
+        rows, counts, slots = dispatch(x, ids, num_experts)
+        y = self._grouped(rows, counts) if grouped else self._looped(rows, counts.tolist())
+        out = combine(y.to(x.dtype), weights, ids, slots)
+        if shared is not None:
+            expert, gate = shared
+            out = out + gate * expert(x)
+        return out
 
     def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert over its rows, one call each."""
@@ -98,24 +114,33 @@ class Experts(nn.ModuleList):
         gate, up = gate_up(rows, counts).split_with_sizes(self.gate_up_sizes, dim=-1)
         return down(self[0].activate(gate, up), counts)
 
-    def stack_experts(self) -> bool:
+    def stack_experts(self, shared: GatedMLP | None = None) -> bool:
         """Stack the experts' projections for grouped calls (`quant.stack_layers`; no memory is added) once
         they are quantized on specserve's kernel with gate and up fused, as `quant.fuse_projections` leaves
-        them; else they keep running one by one. Returns whether they are stacked. The stacked buffers are
-        registered (not saved with the model) so that moving the weights (layers/huge_pages.py) finds them."""
+        them; else they keep running one by one. A `shared` expert of the same shape and activation is
+        stacked after them. Returns whether they are stacked. The stacked buffers are registered (not saved
+        with the model) so that moving the weights (layers/huge_pages.py) finds them."""
         if self.stacks is not None:
             return True
-        fusions = [getattr(expert.gate_proj, "fusion", None) for expert in self]
-        if not all(
-            isinstance(f, Fusion) and f.members == (e.gate_proj, e.up_proj) for f, e in zip(fusions, self)
-        ):
+        routed = list(self)
+        with_shared = shared is not None and shared.act is self[0].act and _stackable([*routed, shared])
+        members = [*routed, shared] if with_shared else routed
+        if not _stackable(members):
             return False
-        downs = [expert.down_proj for expert in self]
-        if not (stackable(fusions) and stackable(downs)):
-            return False
-        self.stacks = (stack_layers(fusions), stack_layers(downs))
+        fusions = [expert.gate_proj.fusion for expert in members]
+        self.stacks = (stack_layers(fusions), stack_layers([expert.down_proj for expert in members]))
         self.gate_up_sizes = fusions[0].sizes
+        self.shared_stacked = with_shared
         for which, stacked in zip(("gate_up", "down"), self.stacks, strict=True):
             for name, tensor in zip(stacked.names, stacked.buffers, strict=True):
                 self.register_buffer(f"stacked_{which}_{name}", tensor, persistent=False)
         return True
+
+
+def _stackable(experts: list[GatedMLP]) -> bool:
+    """Whether these experts' fused gate|up layers, and their down layers, stack (`quant.stackable`)."""
+    fusions = [getattr(expert.gate_proj, "fusion", None) for expert in experts]
+    fused = all(
+        isinstance(f, Fusion) and f.members == (e.gate_proj, e.up_proj) for f, e in zip(fusions, experts)
+    )
+    return fused and stackable(fusions) and stackable([expert.down_proj for expert in experts])

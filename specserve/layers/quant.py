@@ -665,7 +665,8 @@ def fuse_projections(model: nn.Module) -> int:
     """Fuse every group a module names in `FUSED_PROJECTIONS` whose layers `side_by_side` can put in one
     (layers/fusion.py); returns how many groups were fused. Groups fused already are left as they are.
     Then modules that compute several layers of one shape in one grouped call (a mixture-of-experts
-    layer's experts: `stack_experts`) stack them, once their own projections are fused."""
+    layer's experts: `stack_experts`) stack them, once their own projections are fused; a module before
+    its children (`modules()` order), so that a layer can add its shared expert to its experts' stack."""
     count = 0
     for module in list(model.modules()):
         for names in getattr(module, "FUSED_PROJECTIONS", ()):

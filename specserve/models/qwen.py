@@ -118,13 +118,17 @@ class QwenSparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = self.experts(x, weights, ids)
         if self.shared_expert is None:
-            return out
+            return self.experts(x, weights, ids)
         # fp64 sigmoid: in fp32 an [N, 1] gate rounds differently in a kernel's SIMD body and its scalar tail,
         # which would make a row's value depend on N (batch invariance).
         gate = torch.sigmoid(self.shared_expert_gate(x).double()).to(x.dtype)
-        return out + gate * self.shared_expert(x)
+        return self.experts(x, weights, ids, shared=(self.shared_expert, gate))
+
+    def stack_experts(self) -> bool:
+        """The routed experts' grouped calls, the shared expert in them where it has their shape (the real
+        Qwen3-Next and Qwen3.5-MoE configs). `quant.fuse_projections` asks this module before its experts."""
+        return self.experts.stack_experts(self.shared_expert)
 
 
 class QwenDecoderLayer(nn.Module):
