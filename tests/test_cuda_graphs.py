@@ -96,7 +96,7 @@ class Pair:
         for pieces, logit_rows, bucket in steps:
             used = set(self.static.graphs._inputs)
             outputs.append(self.static.forward(pieces, logit_rows, capture_layers))
-            assert set(self.static.graphs._inputs) - used == ({bucket} - used - {None})
+            assert set(self.static.graphs._inputs) - used == ({(bucket, 0)} - used - {(None, 0)})
         for (pieces, logit_rows, _), static in zip(steps, outputs, strict=True):
             plain = self.plain.forward(pieces, logit_rows, capture_layers)
             self.same_logits(static.logits, plain.logits)
@@ -200,7 +200,7 @@ def test_replayed_graphs_match_the_eager_forward_on_cuda(tiny_model_dir, arch):
     pair.steps_in_a_row([([1, 3, 4], 1, 4), ([0, 2, 3], 1, 4)])  # bucket 4 replayed over new inputs
     pair.step([1, 3], rows=4, bucket=8)
     pair.step([0, 2, 4], rows=5, bucket=16)
-    assert len(pair.static.graphs._graphs) == 4  # (4, ()), (8, (-1, 1)), (8, ()), (16, ())
+    assert len(pair.static.graphs.captures.graphs) == 4  # (4, ()), (8, (-1, 1)), (8, ()), (16, ())
 
 
 @pytest.mark.gpu
@@ -217,7 +217,7 @@ def test_greedy_generation_with_graphs_equals_it_without_on_cuda(tiny_model_dir)
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert (llm.engine.runner.graphs is None) == eager
         if not eager:
-            assert llm.engine.runner.graphs._graphs  # decode steps replayed graphs
+            assert llm.engine.runner.graphs.captures.graphs  # decode steps replayed graphs
         del llm
     assert outputs[False] == outputs[True]
 
@@ -237,4 +237,4 @@ def test_the_static_path_keeps_every_tensor_on_the_models_device(tiny_model_dir)
         [PieceInput([1, 2, 3], 5, [0, 1]), PieceInput([4], 17, [2, 3, 4, 5, 6])], [0, 1, 2, 3]
     )
     assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (4, model.config.vocab_size)
-    assert set(runner.graphs._inputs) == {4}
+    assert set(runner.graphs._inputs) == {(4, 0)}

@@ -15,6 +15,7 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.layers.transfer import to_device, to_host
 from specserve.models.loader import load_model
 from specserve.platform import CPU, Platform, check_device, resolve_platform
+from specserve.worker.cuda_graphs import GraphConfig
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
 pytestmark = pytest.mark.kernel_agnostic
@@ -146,9 +147,11 @@ def test_a_forward_keeps_every_tensor_on_the_models_device(tiny_model_dir, arch)
     assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (2, model.config.vocab_size)
 
 
-def test_a_dspark_draft_forward_keeps_every_tensor_on_the_drafters_device(tiny_model_dir):
+@pytest.mark.parametrize("static", [False, True], ids=["plain", "static_buffers"])
+def test_a_dspark_draft_forward_keeps_every_tensor_on_the_drafters_device(tiny_model_dir, static):
     """The DSpark drafter's backbone forward (context rows from the target, the paged draft cache, the
-    block queries) with its model, caches and the target's features on the meta device."""
+    block queries) with its model, caches and the target's features on the meta device; plain, and
+    through the static buffers of CUDA graphs (run eagerly)."""
     import dataclasses
 
     from specserve.spec_decode.drafters.dspark import DSparkDrafter
@@ -160,13 +163,18 @@ def test_a_dspark_draft_forward_keeps_every_tensor_on_the_drafters_device(tiny_m
         if hasattr(module, "attention_backend"):
             module.attention_backend = _meta_attention
     meta = Platform(torch.device("meta"), "torch")
-    drafter = bound(DSparkDrafter(model, dataclasses.replace(fake_target(B), platform=meta)), B)
+    drafter = DSparkDrafter(model, dataclasses.replace(fake_target(B), platform=meta))
+    if static:
+        drafter.graph_config = GraphConfig(max_tokens=16, max_pieces=4, max_blocks=8, capture=False)
+    drafter = bound(drafter, B)
     assert all(c.k.device.type == "meta" for c in drafter.caches)
     seqs = [sequence("a", list(range(3, 12))), sequence("b", list(range(5, 10)))]
     for seq in seqs:
         drafter.observe(seq, 0, torch.empty(seq.num_tokens - 1, drafter.feature_width, device="meta"))
     h = drafter._backbone(seqs)
     assert h.device.type == "meta" and tuple(h.shape[:2]) == (2, B)
+    if static:  # 2 blocks of B rows, 8 + 4 context rows
+        assert set(drafter.graphs._inputs) == {(2 * B, 16)}
 
 
 def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):

@@ -125,9 +125,13 @@ class LLMEngine:
                 f"gpu_memory_utilization={config.gpu_memory_utilization} ({budget / 2**30:.2f} GiB left "
                 "for caches after the weights and activations; or give kv_cache_memory)"
             )
+        # The scratch block of each paged cache whose steps may replay graphs (the target's, the drafter's)
+        scratch = layout.kv_bytes_per_block if graphs is not None else 0
+        if config.platform.captures_graphs and not config.enforce_eager:
+            scratch += sum(spec.bytes_per_block for spec in layout.drafter.paged)
         plan = plan_cache_memory(
             layout,
-            budget - (layout.kv_bytes_per_block if graphs is not None else 0),  # the graphs' scratch block
+            budget - scratch,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -176,6 +180,7 @@ class LLMEngine:
             generator=self.generator,
             platform=self.config.platform,
             load_format=self.config.load_format,
+            enforce_eager=self.config.enforce_eager,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
 

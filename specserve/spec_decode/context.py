@@ -29,6 +29,7 @@ class TargetContext:
     tensor_parallel_size: int = 1  # ranks the target is split over (its runner's cost depends on it)
     platform: Platform = CPU  # where the target runs: drafters load onto it and draw on its device
     load_format: str = "auto"  # the target's; "dummy" makes a draft model's weights random too (as vLLM)
+    enforce_eager: bool = False  # no CUDA graphs, the drafter's forwards included
 
     @property
     def vocab_size(self) -> int:

@@ -41,6 +41,10 @@ class Eagle3DraftModel(TokenIO, nn.Module):
         self.lm_head = nn.Linear(hidden, config.output_vocab_size, bias=False)
         self.set_output_scaling(config)
 
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [n, n_f * H] -> hidden inputs [n, H] (normed inside the layer)."""
         return self.fc(features)

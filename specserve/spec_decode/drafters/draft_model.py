@@ -8,13 +8,14 @@ decides before each forward which sequences draft on (`keep_drafting`).
 
 Its KV cache (and a hybrid draft model's state slots) are groups of the engine's cache coordinator. With
 prefix caching, the full blocks of tokens it has fed join its group's prefix cache, and a new request starts
-from the longest cached chain of its tokens (it catches up from the tokens, so it never shortens the
-target's prefix hits). Rejected drafts are rolled back by length in the paged KV cache. A hybrid draft
-model's recurrent state is never rolled back: each request holds two slots, its committed state and a
-drafting one. A round's first forward (every committed token fed) advances the committed slot, which is
-then copied into the drafting slot for the drafts' forwards; the next round starts from the committed slot
-and feeds the accepted drafts again, or, when every fed draft was accepted, the two slots trade places
-(and no prefix cache: a cached block would need the recurrent state at its end too).
+from the longest cached chain of its tokens (it catches up from the tokens, so it never shortens the target's
+prefix hits). Rejected drafts are rolled back by length in the paged KV cache. Its runner replays CUDA graphs
+of its short steps as the target's does (drafters/graphs.py), where the engine captures them. A hybrid draft
+model's recurrent state is never rolled back: each request holds two slots, its committed state and a drafting
+one. A round's first forward (every committed token fed) advances the committed slot, which is then copied
+into the drafting slot for the drafts' forwards; the next round starts from the committed slot and feeds the
+accepted drafts again, or, when every fed draft was accepted, the two slots trade places (and no prefix cache:
+a cached block would need the recurrent state at its end too).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from specserve.core.sequence import Sequence
 from specserve.models.loader import load_model
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.drafters.base import Drafter, sample_drafts
+from specserve.spec_decode.drafters.graphs import draft_graph_config
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block, state_bytes_per_slot
 
 
@@ -68,6 +70,9 @@ class DraftModelDrafter(Drafter):
         self.dtype = target.torch_dtype
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
+        # None: its forwards eager (see draft_graph_config); else its runner's, as the target's (set before
+        # `bind_caches`)
+        self.graph_config = draft_graph_config(target, model)
 
     def cache_spec(self, block_size: int) -> DrafterCacheSpec:
         # Drafts run ahead of the target's reservation by at most k - 1 tokens: a block a request beyond
@@ -87,7 +92,9 @@ class DraftModelDrafter(Drafter):
         self.slots, self.drafting = caches.states or (None, None)
         num_slots = sum(states.num_slots for states in caches.states)
         num_blocks = group.blocks.num_blocks
-        self.runner = ModelRunner(self.model, num_blocks, group.block_size, self.dtype, num_slots)
+        self.runner = ModelRunner(
+            self.model, num_blocks, group.block_size, self.dtype, num_slots, graphs=self.graph_config
+        )
 
     def _slot(self, seq: Sequence, drafting: bool = False) -> int | None:
         """Its committed (or drafting) recurrent-state slot; None for attention-only draft models."""

@@ -20,16 +20,19 @@ import torch
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
-from specserve.layers.transfer import to_device, to_host
+from specserve.layers.transfer import to_host
 from specserve.spec_decode.calibration.offline import load_temperatures
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import DSparkConfig
-from specserve.spec_decode.deepspec.dspark import DSparkDraftModel
+from specserve.spec_decode.deepspec.dspark import DSparkDraftModel, PagedDraftBatch
 from specserve.spec_decode.drafters.base import sample_drafts
+from specserve.spec_decode.drafters.graphs import DraftInputs
 from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenStateDrafter, concat_rows
 
 
 class DSparkDrafter(HiddenStateDrafter):
+    causal = False  # a block's rows see each other and the whole context
+
     def __init__(self, model: DSparkDraftModel, target: TargetContext, calibrated: bool = True):
         super().__init__(model, target, DrafterLayout.of_checkpoint(model), model.config.block_size)
         self.block_size = model.config.block_size
@@ -82,29 +85,22 @@ class DSparkDrafter(HiddenStateDrafter):
         anchors = [s.num_tokens - 1 for s in seqs]
         for state, a in zip(states, anchors):
             self.blocks.grow(state, a + B)
-        ctx_pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
-        ctx_owner = torch.repeat_interleave(
-            torch.arange(len(seqs)), torch.tensor([st.num_pending for st in states])
-        )
-        block_pos = (torch.tensor(anchors)[:, None] + torch.arange(B)).reshape(-1)
-        block_owner = torch.arange(len(seqs)).repeat_interleave(B)
-        batch = self.paged_batch(
-            states,
-            kv_owner=torch.cat([ctx_owner, block_owner]),
-            kv_pos=torch.cat([ctx_pos, block_pos]),
-            query_lens=[B] * len(seqs),
-            query_pos=block_pos,
-            causal=False,
-        )
+        ctx_pos = [p for st, a in zip(states, anchors) for p in range(st.num_cached, a)]
+        ctx_owner = [r for r, st in enumerate(states) for _ in range(st.num_pending)]
         features = [f for st in states for f in st.take_pending()]
-        width = self.feature_width
-        context = self.model.project_context(concat_rows(features, width, self.caches[0].k))
-        block_ids = torch.full((len(seqs), B), self.mask_token_id)
-        block_ids[:, 0] = torch.tensor([s.all_token_ids[-1] for s in seqs])
-        (block_ids,) = to_device(self.device, block_ids.reshape(-1))
-        h = self.model.backbone(self.model.embed(block_ids), context, batch)
+        features = concat_rows(features, self.feature_width, self.caches[0].k)
+        block_ids = [[s.all_token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
+        h = self.run_forward(states, block_ids, anchors, (ctx_owner, ctx_pos), kv_rows=features)
         self.roll_back(seqs, states, anchors)  # keep the context rows (< a); the block rows go
         return h.view(len(seqs), B, -1)
+
+    def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
+        """The block rows' final-normed hidden states; the K/V-only rows are the new context's features."""
+        embeds, context = self.model.embed(inputs.token_ids), self.model.project_context(inputs.kv_rows)
+        return self.model.backbone(embeds, context, batch)
+
+    def row_widths(self) -> tuple[int, int]:
+        return 0, self.feature_width
 
     @torch.inference_mode()
     def _sample(self, h: torch.Tensor, anchors: torch.Tensor, seqs: list[Sequence]) -> list[DraftProposal]:

@@ -17,11 +17,14 @@ from specserve.config import SpeculativeConfig
 from specserve.core.batch import row_offsets
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
-from specserve.layers.transfer import to_device, to_host
+from specserve.layers.metadata import padded_block_tables, slot_mapping
+from specserve.layers.transfer import to_host
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import Eagle3Config
+from specserve.spec_decode.deepspec.dspark import PagedDraftBatch
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.spec_decode.drafters.base import sample_drafts
+from specserve.spec_decode.drafters.graphs import DraftInputs
 from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenStateDrafter, concat_rows
 
 
@@ -65,29 +68,26 @@ class Eagle3Drafter(HiddenStateDrafter):
         for state, a in zip(states, anchors):
             self.blocks.grow(state, a + num_tokens - 1)
         lens = [st.num_pending for st in states]
-        pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
-        owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+        starts = [st.num_cached for st in states]
         # Row t pairs the features of position t with the token at t + 1.
-        tokens = torch.tensor(
-            [t for s, st, a in zip(seqs, states, anchors) for t in s.all_token_ids[st.num_cached + 1 : a + 1]]
-        )
+        tokens = [s.all_token_ids[st.num_cached + 1 : a + 1] for s, st, a in zip(seqs, states, anchors)]
         features = concat_rows(
             [f for st in states for f in st.take_pending()], self.feature_width, self.caches[0].k
         )
-        batch = self.paged_batch(states, owner, pos, lens, pos, causal=True)
-        self.group.keep_last_features(batch.kv_slots, batch.kv_pos, features)
-        (tokens,) = to_device(self.device, tokens)
-        out = self.model(tokens, self.model.project_context(features), batch)
+        pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+        tables = padded_block_tables([st.block_table for st in states])
+        self.group.keep_last_features(slot_mapping(tables, owner, pos, self.blocks.block_size), pos, features)
+        out = self.run_forward(states, tokens, starts, query_rows=self.model.project_context(features))
         hidden = out[[end - 1 for end in row_offsets(lens)[1:]]]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows, peak_rows = [], []
         for step in range(num_tokens):
             if step:
-                step_pos = torch.tensor(anchors) + step - 1
-                batch = self.paged_batch(
-                    states, torch.arange(len(seqs)), step_pos, [1] * len(seqs), step_pos, causal=True
+                step_tokens = [[d[-1]] for d in drafted]
+                hidden = self.run_forward(
+                    states, step_tokens, [a + step - 1 for a in anchors], query_rows=hidden
                 )
-                hidden = self.model(torch.tensor([d[-1] for d in drafted], device=self.device), hidden, batch)
             logits = self.model.compute_logits(self.model.final_hidden(hidden))
             logits = self.model.target_vocab_logits(logits)
             q, new, peaks = sample_drafts(logits, seqs, drafted, self.vocab_size, self.generator)
@@ -101,6 +101,14 @@ class Eagle3Drafter(HiddenStateDrafter):
             DraftProposal(d, probs[r], confidences[r]).truncate(self._length(d, seq))
             for r, (d, seq) in enumerate(zip(drafted, seqs))
         ]
+
+    def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
+        """Pre-norm outputs of the rows, each from its token and its hidden input (projected target
+        features, or the previous step's output)."""
+        return self.model(inputs.token_ids, inputs.query_rows, batch)
+
+    def row_widths(self) -> tuple[int, int]:
+        return self.model.hidden_size, 0
 
     def _length(self, drafted: list[int], seq: Sequence) -> int:
         """Drafts up to and including the first end-of-sequence token (a request that ignores eos: all)."""

@@ -1,5 +1,7 @@
 """Shared machinery of drafters conditioned on the target's hidden states (DSpark, DFlash, EAGLE-3, MTP):
-per-request context rows handed over by the engine, and a paged draft KV cache rolled back by length."""
+per-request context rows handed over by the engine, a paged draft KV cache rolled back by length, and
+their forward run through static buffers and CUDA graphs where the engine captures them (drafters/graphs.py),
+eagerly otherwise."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
 from specserve.core.sequence import Sequence
 from specserve.layers.attention import KVCache
 from specserve.layers.metadata import ForwardMetadata, padded_block_tables, slot_mapping
+from specserve.layers.transfer import to_device
 from specserve.models.prepare import prepare_model
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch, attention_geometry
 from specserve.spec_decode.drafters.base import Drafter
+from specserve.spec_decode.drafters.graphs import DraftGraphs, DraftInputs, draft_graph_config
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +108,16 @@ class ContextGroup(PagedGroup[ContextState]):
     def keep_last_features(
         self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor
     ) -> None:
-        """Of context rows just written (flat cache slots, positions, target features), keep the features
-        of those that end a block, with the block."""
+        """Of context rows just written (flat cache slots and positions, on the host; target features),
+        keep the features of those that end a block, with the block."""
         if self.last_features is None:
             return
         size = self.block_size
         ends = positions % size == size - 1
-        self.last_features[slots[ends] // size] = features[ends].to(self.last_features.dtype)
+        if not ends.any():  # most rounds: nothing to send to the device
+            return
+        blocks, rows = to_device(self.last_features.device, slots[ends] // size, ends.nonzero().flatten())
+        self.last_features[blocks] = features[rows].to(self.last_features.dtype)
 
     def _copy_last_block(self, entry: ContextState) -> None:
         """The entry's last (shared) block replaced by a private copy whose last row is pending again, its
@@ -133,6 +140,7 @@ class HiddenStateDrafter(Drafter):
     the pending rows into draft cache entries and drafts from them (`ContextGroup` holds them)."""
 
     reads_next_token = False  # a context row t reads the token at t + 1 too (EAGLE-3, MTP)
+    causal = True  # a query row attends the keys up to its own position (False: all of its request's)
 
     def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
@@ -144,6 +152,9 @@ class HiddenStateDrafter(Drafter):
         self.device = target.platform.device  # where the target's features arrive and the drafter runs
         self.generator = target.generator  # unseeded requests draw from the engine's generator
         self.extra_tokens_per_request = extra_tokens_per_request  # drafted rows beyond the context
+        # None: every forward eager (see draft_graph_config); set before `bind_caches`
+        self.graph_config = draft_graph_config(target, model)
+        self.graphs: DraftGraphs | None = None
 
     def cache_spec(self, block_size: int) -> DrafterCacheSpec:
         layout = self.layout
@@ -165,14 +176,53 @@ class HiddenStateDrafter(Drafter):
         self.group: ContextGroup = group
         self.blocks = group.blocks
         self.states = group.entries  # request id -> its context (the coordinator frees it with the request)
-        shape = (group.blocks.num_blocks, group.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        num_blocks = group.blocks.num_blocks
+        shape = (num_blocks + (self.graph_config is not None), group.block_size)  # graphs: a scratch block
+        shape += (self.layout.num_kv_heads, self.layout.head_dim)
         on = {"dtype": self.dtype, "device": self.device}
         self.caches = [
             KVCache(torch.zeros(shape, **on), torch.zeros(shape, **on)) for _ in range(self.layout.num_layers)
         ]
+        if self.graph_config is not None:
+            args = (self.caches, group.block_size, num_blocks, self.graph_config, self.causal)
+            self.graphs = DraftGraphs(self.forward_rows, *args, self.row_widths())
         group.caches, group.reads_next_token = self.caches, self.reads_next_token
         if self.reads_next_token:
-            group.last_features = torch.zeros(group.blocks.num_blocks, self.feature_width, **on)
+            group.last_features = torch.zeros(num_blocks, self.feature_width, **on)
+
+    def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
+        """The network's paged forward (drafters/graphs.py's DraftForward): the query rows' outputs."""
+        raise NotImplementedError
+
+    def row_widths(self) -> tuple[int, int]:
+        """Widths of the float rows `forward_rows` reads beside the query rows and the K/V-only rows."""
+        raise NotImplementedError
+
+    def run_forward(
+        self,
+        states: list[ContextState],
+        token_ids: list[list[int]],
+        starts: list[int],
+        kv_only: tuple[list[int], list[int]] = ([], []),
+        query_rows: torch.Tensor | None = None,
+        kv_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward_rows` over each request's query rows (`token_ids` at consecutive positions from
+        `starts`) after rows that only write K/V (their requests and positions): through static buffers
+        where a bucket holds the step, else over a paged batch built for it. Every request's blocks must
+        already cover its last position."""
+        tables = [st.block_table for st in states]
+        key = self.graphs.key_for(token_ids, len(kv_only[0]), tables) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(key, token_ids, starts, tables, kv_only, query_rows, kv_rows)
+        lens = [len(t) for t in token_ids]
+        query_pos = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long)
+        owners = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(lens))
+        kv_owner = torch.cat([torch.tensor(kv_only[0], dtype=torch.long), owners])
+        kv_pos = torch.cat([torch.tensor(kv_only[1], dtype=torch.long), query_pos])
+        tokens = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+        batch, tokens = self.paged_batch(states, kv_owner, kv_pos, lens, query_pos, self.causal, tokens)
+        return self.forward_rows(DraftInputs(tokens, query_rows, kv_rows), batch)
 
     @staticmethod
     def load(spec: SpeculativeConfig, target: TargetContext, config_type: type):
@@ -218,10 +268,11 @@ class HiddenStateDrafter(Drafter):
         query_lens: list[int],
         query_pos: torch.Tensor,
         causal: bool,
-    ) -> PagedDraftBatch:
-        """Rows to write (owner request, position) and queries (per request, consecutive) of one forward;
-        every request's blocks must already cover its last position. Built on the host, sent to the
-        drafter's device in one copy."""
+        token_ids: torch.Tensor,
+    ) -> tuple[PagedDraftBatch, torch.Tensor]:
+        """Rows to write (owner request, position) and queries (per request, consecutive) of one forward,
+        and the queries' token ids; every request's blocks must already cover its last position. Built on
+        the host, sent to the drafter's device in one copy."""
         tables = padded_block_tables([st.block_table for st in states])
         owners = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))
         last = torch.full((len(states),), -1, dtype=torch.long)
@@ -237,8 +288,8 @@ class HiddenStateDrafter(Drafter):
             causal=causal,
         )
         kv_slots = slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size)
-        meta, (kv_pos, kv_slots) = meta.to(self.device, kv_pos, kv_slots)
-        return PagedDraftBatch(meta.positions, kv_pos, kv_slots, meta, self.caches)
+        meta, (kv_pos, kv_slots, token_ids) = meta.to(self.device, kv_pos, kv_slots, token_ids)
+        return PagedDraftBatch(meta.positions, kv_pos, kv_slots, meta, self.caches), token_ids
 
     def roll_back(self, seqs: list[Sequence], states: list[ContextState], lengths: list[int]) -> None:
         """Keep the first `lengths[i]` rows of each request's draft cache (a length change): its context

@@ -30,6 +30,7 @@ class MTPDraftModel(nn.Module):
         super().__init__()
         self.predictor = predictor
         self._target = (target,)  # shared, not a submodule: its weights stay the target's
+        self.hidden_size = target.config.hidden_size
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """The target's last layer outputs [n, H] -> its final hidden states."""
