@@ -16,6 +16,7 @@ import atexit
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence as Seq
 
 import torch
@@ -88,6 +89,9 @@ class ShardedRunner:
             self.group.run("commit_states", keep, list(saves))
 
 
+EXIT_GRACE_S = 2.0
+
+
 class TensorParallelExecutor:
     """Starts (or joins) the worker ranks; `load` and `runner` set them up like the driver."""
 
@@ -125,12 +129,17 @@ class TensorParallelExecutor:
         return subprocess.Popen(command, env={**os.environ, TIMEOUT_ENV: str(timeout)})
 
     def worker_report(self) -> str:
-        """Which local workers have exited (with their codes), for error messages."""
-        dead = [
-            f"rank {rank} exited with code {p.returncode}"
-            for rank, p in enumerate(self.workers, start=1)
-            if p.poll() is not None
-        ]
+        """Which local workers have exited (with their codes), for error messages. A killed rank's sockets
+        close while it exits, so a collective can fail a moment before the exit can be seen: the workers
+        get EXIT_GRACE_S together to show it (a failure stops the engine; this runs once)."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        dead = []
+        for rank, p in enumerate(self.workers, start=1):
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            dead.append(f"rank {rank} exited with code {p.returncode}")
         return f" ({'; '.join(dead)}; its log is above)" if dead else ""
 
     def load(self, **load_args) -> None:
