@@ -129,10 +129,11 @@ def _syncs_per_decode_step(model: str, num_requests: int) -> float:
     return sum(counted) / len(counted)
 
 
-def test_a_decode_step_synchronizes_once_whatever_the_batch(tiny_model_dir, record_property):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])  # experts in grouped matmuls
+def test_a_decode_step_synchronizes_once_whatever_the_batch(tiny_model_dir, record_property, arch):
     """torch flags every hidden device -> host synchronization (`set_sync_debug_mode`): a step reads its
     sampled tokens back once, not once per request or token."""
-    model = str(tiny_model_dir("qwen3"))
+    model = str(tiny_model_dir(arch))
     one, eight = _syncs_per_decode_step(model, 1), _syncs_per_decode_step(model, 8)
     record_property("syncs_per_step", (one, eight))
     assert one == eight <= 2

@@ -153,6 +153,46 @@ def test_a_shared_expert_of_the_routed_shape_runs_in_their_grouped_calls(arch, s
             assert torch.equal(got, torch.cat([block(x[i : i + 1]) for i in range(m)])), m
 
 
+def test_experts_in_grouped_matmuls_match_their_loop(tiny_model_dir):
+    """The GPU's path (`use_grouped_mm`, run here on the CPU): two `torch._grouped_mm` calls a layer over
+    the experts' stacked weights (views: Qwen's experts re-pointed at them, Gemma 4's own 3-D tensors),
+    no host read, so the model's steps may be captured; against the loop within fp32 rounding."""
+    from types import SimpleNamespace
+
+    from specserve.models.gemma import GemmaExperts
+    from specserve.worker.cuda_graphs import graph_refusal
+
+    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")))
+    assert "experts" in graph_refusal(model)
+    gemma = SimpleNamespace(num_experts=6, hidden_size=64, moe_intermediate_size=32, hidden_activation="gelu")
+    layers = [*experts_of(model), GemmaExperts(gemma)]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layers[-1].parameters():
+            p.normal_(0, 0.1, generator=g)
+    for experts in layers:
+        stacked = experts.gate_up_proj if isinstance(experts, GemmaExperts) else None
+        num, hidden = (
+            (len(stacked), stacked.shape[2])
+            if stacked is not None
+            else (len(experts), experts[0].down_proj.out_features)
+        )
+        cases = []
+        for m in (1, 5, 9, 37):
+            x = torch.randn(m, hidden, generator=g)
+            weights, ids = route_topk(torch.randn(m, num, generator=g), 2, True)
+            cases.append((x, weights, ids, experts(x, weights, ids)))
+        assert experts.reads_host
+        experts.use_grouped_mm()
+        assert not experts.reads_host
+        if stacked is None:
+            assert storage(experts[1].up_proj.weight) == storage(experts.dense[0])  # views, not copies
+        for x, weights, ids, looped in cases:
+            got = experts(x, weights, ids)
+            assert got.shape == looped.shape and torch.allclose(got, looped, rtol=1e-5, atol=1e-6), len(x)
+    assert graph_refusal(model) is None
+
+
 def test_experts_off_the_kernel_keep_the_loop(tiny_model_dir):
     """Unquantized (fp32) experts are not stacked; they run one by one, as the reference does."""
     model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")))

@@ -39,7 +39,8 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torc
     top_k = ids.shape[1]
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    # counted by adding ones: bincount sizes its output from the ids' maximum, a host read on a GPU
+    counts = flat_ids.new_zeros(num_experts).index_add_(0, flat_ids, torch.ones_like(flat_ids))
     return x.index_select(0, order // top_k), counts, order.argsort().view(-1, top_k)
 
 
@@ -60,6 +61,17 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, slots: to
     return out
 
 
+def grouped_mlp(
+    rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activate
+) -> torch.Tensor:
+    """Gated MLPs of E experts over rows sorted by expert (counts[e] each), in two grouped matmuls
+    (`torch._grouped_mm`: group sizes read on the device, so a GPU step is not held up by the host and can
+    be captured in a graph). gate_up [E, 2I, H] (gate | up), down [E, H, I], as Gemma 4 stores them."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    return torch._grouped_mm(activate(gate, up).contiguous(), down.transpose(1, 2), offs=offsets)
+
+
 def _compiled(x: torch.Tensor, ids: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether moe.cpp takes the call: specserve's kernels, fp32 rows on the CPU, int64 ids."""
     return (
@@ -78,6 +90,7 @@ class Experts(nn.ModuleList):
         self.stacks: tuple[StackedLinears, StackedLinears] | None = None  # gate|up, down (`stack_experts`)
         self.gate_up_sizes: list[int] = []
         self.shared_stacked = False  # a shared expert is stacked after the routed ones, as expert E
+        self.dense: tuple[torch.Tensor, torch.Tensor] | None = None  # [E, 2I, H], [E, H, I]: `use_grouped_mm`
 
     def forward(
         self,
@@ -96,7 +109,12 @@ class Experts(nn.ModuleList):
             weights = torch.cat([weights, shared[1]], dim=1)
             shared = None
         rows, counts, slots = dispatch(x, ids, num_experts)
-        y = self._grouped(rows, counts) if grouped else self._looped(rows, counts.tolist())
+        if grouped:
+            y = self._grouped(rows, counts)
+        elif self.dense is not None:
+            y = grouped_mlp(rows, counts, *self.dense, self[0].activate)
+        else:
+            y = self._looped(rows, counts.tolist())
         out = combine(y.to(x.dtype), weights, ids, slots)
         if shared is not None:
             expert, gate = shared
@@ -113,6 +131,26 @@ class Experts(nn.ModuleList):
         gate_up, down = self.stacks
         gate, up = gate_up(rows, counts).split_with_sizes(self.gate_up_sizes, dim=-1)
         return down(self[0].activate(gate, up), counts)
+
+    @property
+    def reads_host(self) -> bool:
+        """Whether a forward waits for the host (the loop over experts reads their row counts)."""
+        return self.stacks is None and self.dense is None
+
+    def use_grouped_mm(self) -> None:
+        """Run the (unquantized) experts in two grouped matmuls (`grouped_mlp`): their gate, up and down
+        weights stacked, each expert's layers re-pointed at its views (no memory is kept twice). The GPU's
+        path (models/prepare.py's `place`); not batch-invariant, so the CPU keeps its loop."""
+        if self.stacks is not None or self.dense is not None:
+            return
+        size = self[0].up_proj.out_features
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self])
+        down = torch.stack([e.down_proj.weight for e in self])
+        for e, expert in enumerate(self):
+            expert.gate_proj.weight = nn.Parameter(gate_up[e, :size], requires_grad=False)
+            expert.up_proj.weight = nn.Parameter(gate_up[e, size:], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(down[e], requires_grad=False)
+        self.dense = (gate_up, down)
 
     def stack_experts(self, shared: GatedMLP | None = None) -> bool:
         """Stack the experts' projections for grouped calls (`quant.stack_layers`; no memory is added) once

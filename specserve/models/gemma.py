@@ -25,6 +25,7 @@ from specserve.layers.fusion import project
 from specserve.layers.linear import batch_invariant_linear
 from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP, activation
+from specserve.layers.moe import combine, dispatch, grouped_mlp
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.base import CausalLM, LayerCacheSpec
@@ -174,7 +175,8 @@ class GemmaRouter(nn.Module):
 
 class GemmaExperts(nn.Module):
     """Expert MLPs stored as HF's fused 3-D tensors; one iteration per active expert. An expert's row count
-    changes with the batch, so its matmuls must be batch invariant (`F.linear` is not)."""
+    changes with the batch, so its matmuls must be batch invariant (`F.linear` is not). On a GPU
+    (`use_grouped_mm`) the tensors go as they are into two grouped matmuls that read nothing on the host."""
 
     def __init__(self, config):
         super().__init__()
@@ -183,8 +185,23 @@ class GemmaExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.act = activation(config.hidden_activation)
         self.tp_segments = {"gate_up_proj": (i, i)}  # gate | up, split across ranks each on its own
+        self.grouped_mm = False
+
+    def use_grouped_mm(self) -> None:
+        self.grouped_mm = True
+
+    @property
+    def reads_host(self) -> bool:
+        """Whether a forward waits for the host (the loop reads which experts have rows)."""
+        return not self.grouped_mm
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.grouped_mm:
+            rows, counts, slots = dispatch(x, ids, len(self.gate_up_proj))
+            y = grouped_mlp(
+                rows, counts, self.gate_up_proj, self.down_proj, lambda gate, up: self.act(gate) * up
+            )
+            return combine(y, weights, ids, slots).to(x.dtype)  # fp32 weights: terms summed in fp32
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)

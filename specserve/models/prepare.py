@@ -78,7 +78,7 @@ def place(model: nn.Module, platform: Platform) -> nn.Module:
     CPU: oneDNN-packed fp32 linears, the small ones on specserve's kernel (SPECSERVE_LINEAR=torch keeps
     nn.Linear), on huge pages; the layers' kernels are the CPU's by default. CUDA: the weights on the GPU,
     its kernels installed into every layer that has a seam for them (an attention layer's
-    `attention_backend`, a Gated DeltaNet layer's `delta_rule`)."""
+    `attention_backend`, a Gated DeltaNet layer's `delta_rule`, experts' `use_grouped_mm`)."""
     if not platform.is_cuda:
         pack_linears(model)
         place_on_huge_pages(model)
@@ -89,6 +89,8 @@ def place(model: nn.Module, platform: Platform) -> nn.Module:
     for module in model.modules():
         if hasattr(module, "attention_backend"):
             module.attention_backend = triton_paged_attention
+        if hasattr(module, "use_grouped_mm"):  # experts without a host loop (layers/moe.py)
+            module.use_grouped_mm()
     use_delta_rule(model, platform.delta_rule)
     return model
 

@@ -9,8 +9,9 @@ copied into the bucket's static buffers in one copy; on CUDA the bucket's graph 
 replays and the outputs are read from its static tensors. With `capture=False` the same buffers feed an
 eager forward, which is how the CPU suite checks this path against the plain one, bitwise.
 
-Only dense attention-only models: a recurrent (hybrid) model's layers and an MoE model's expert loop
-read the host in the middle of the forward, which a graph cannot replay.
+Attention-only models, dense or with experts in grouped matmuls (the GPU's path, layers/moe.py): a
+recurrent (hybrid) model's layers and the CPU's loop over experts read the host in the middle of the
+forward, which a graph cannot replay.
 
 The same padding, buffers and captures serve the drafters' forwards (spec_decode/drafters/graphs.py): a
 step may also write K/V rows that no query reads from (`kv_only`: a DSpark round's context rows), laid out
@@ -30,10 +31,8 @@ from torch import nn
 from specserve.core.batch import row_offsets
 from specserve.layers.attention import BATCHED_PIECE_MAX_LEN, KVCache
 from specserve.layers.metadata import ForwardMetadata, PieceIndex, slot_mapping
-from specserve.layers.moe import Experts
 from specserve.layers.transfer import copy_into
 from specserve.models.base import CausalLM
-from specserve.models.gemma import GemmaExperts
 from specserve.platform import Platform
 
 MAX_BUCKET = 512
@@ -45,7 +44,7 @@ def graph_refusal(model: nn.Module) -> str | None:
     they can."""
     if getattr(model, "has_recurrent_state", False):
         return "its linear-attention layers pick their kernels from the host's piece layout"
-    if any(isinstance(m, Experts | GemmaExperts) for m in model.modules()):
+    if any(getattr(m, "reads_host", False) for m in model.modules()):
         return "its experts are looped over on the host by the tokens routed to them"
     return None
 
