@@ -56,6 +56,13 @@ class Platform:
 
         return auto_dtype(quantization)
 
+    def groups_on_device(self, dtype: torch.dtype) -> bool:
+        """Whether `torch._grouped_mm` reads its group sizes on the device here (its CUTLASS path: bf16 on
+        compute capability 9.x / 10.x); elsewhere it loops over the groups from the host, which a graph
+        cannot replay, and a mixture-of-experts layer keeps its own loop (layers/moe.py)."""
+        capable = self.is_cuda and torch.cuda.get_device_capability(self.device)[0] in (9, 10)
+        return capable and dtype == torch.bfloat16
+
     def refusals(self, quantization: str | None, tensor_parallel_size: int, dtype: str) -> list[str]:
         """What the engine was asked for that does not run on this device yet (empty: all of it runs)."""
         if not self.is_cuda:

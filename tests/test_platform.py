@@ -84,6 +84,16 @@ def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
         EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_experts_group_on_the_device_where_grouped_mm_reads_no_host(two_gpus, monkeypatch, capability):
+    """torch._grouped_mm's fast path (bf16, Hopper / Blackwell) keeps group sizes on the GPU; its fallback
+    (fp32, older GPUs) loops on the host, so the experts keep theirs (and the steps are not captured)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = Platform(torch.device("cuda"), "fla")
+    assert cuda.groups_on_device(torch.bfloat16) == (capability[0] == 9)
+    assert not cuda.groups_on_device(torch.float32) and not CPU.groups_on_device(torch.bfloat16)
+
+
 def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):
     config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
     assert config.platform is CPU

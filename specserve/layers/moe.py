@@ -137,6 +137,10 @@ class Experts(nn.ModuleList):
         """Whether a forward waits for the host (the loop over experts reads their row counts)."""
         return self.stacks is None and self.dense is None
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self[0].down_proj.weight.dtype
+
     def use_grouped_mm(self) -> None:
         """Run the (unquantized) experts in two grouped matmuls (`grouped_mlp`): their gate, up and down
         weights stacked, each expert's layers re-pointed at its views (no memory is kept twice). The GPU's

@@ -195,6 +195,10 @@ class GemmaExperts(nn.Module):
         """Whether a forward waits for the host (the loop reads which experts have rows)."""
         return not self.grouped_mm
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.down_proj.dtype
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.grouped_mm:
             rows, counts, slots = dispatch(x, ids, len(self.gate_up_proj))

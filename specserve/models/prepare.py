@@ -89,8 +89,8 @@ def place(model: nn.Module, platform: Platform) -> nn.Module:
     for module in model.modules():
         if hasattr(module, "attention_backend"):
             module.attention_backend = triton_paged_attention
-        if hasattr(module, "use_grouped_mm"):  # experts without a host loop (layers/moe.py)
-            module.use_grouped_mm()
+        if hasattr(module, "use_grouped_mm") and platform.groups_on_device(module.weight_dtype):
+            module.use_grouped_mm()  # experts without a host loop (layers/moe.py)
     use_delta_rule(model, platform.delta_rule)
     return model
 
