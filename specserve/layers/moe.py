@@ -16,6 +16,7 @@ from torch import nn
 
 from specserve.layers import kernels
 from specserve.layers.fusion import Fusion
+from specserve.layers.meta_device import on_meta
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.quant import StackedLinears, stack_layers, stackable
 
@@ -143,17 +144,17 @@ class Experts(nn.ModuleList):
 
     def use_grouped_mm(self) -> None:
         """Run the (unquantized) experts in two grouped matmuls (`grouped_mlp`): their gate, up and down
-        weights stacked, each expert's layers re-pointed at its views (no memory is kept twice). The GPU's
-        path (models/prepare.py's `place`); not batch-invariant, so the CPU keeps its loop."""
+        weights stacked, each expert's layers made nn.Linear over its views (no memory is kept twice). The
+        GPU's path (models/prepare.py's `place`); not batch-invariant, so the CPU keeps its loop."""
         if self.stacks is not None or self.dense is not None:
             return
         size = self[0].up_proj.out_features
         gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self])
         down = torch.stack([e.down_proj.weight for e in self])
         for e, expert in enumerate(self):
-            expert.gate_proj.weight = nn.Parameter(gate_up[e, :size], requires_grad=False)
-            expert.up_proj.weight = nn.Parameter(gate_up[e, size:], requires_grad=False)
-            expert.down_proj.weight = nn.Parameter(down[e], requires_grad=False)
+            expert.gate_proj = _linear_over(gate_up[e, :size])
+            expert.up_proj = _linear_over(gate_up[e, size:])
+            expert.down_proj = _linear_over(down[e])
         self.dense = (gate_up, down)
 
     def stack_experts(self, shared: GatedMLP | None = None) -> bool:
@@ -177,6 +178,14 @@ class Experts(nn.ModuleList):
             for name, tensor in zip(stacked.names, stacked.buffers, strict=True):
                 self.register_buffer(f"stacked_{which}_{name}", tensor, persistent=False)
         return True
+
+
+def _linear_over(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear (no bias) whose weight is `weight` itself (a view of the experts' stack)."""
+    with on_meta():
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 def _stackable(experts: list[GatedMLP]) -> bool:
