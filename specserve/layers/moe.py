@@ -102,8 +102,9 @@ class Experts(nn.ModuleList):
         (an expert every token takes, its weights [N, 1]), whose term is added last; stacked with the
         routed ones (`stack_experts`), it is routed as expert E and runs in their grouped calls."""
         grouped = self.stacks is not None and x.dim() == 2 and kernels.rows_take(x)
-        num_experts = len(self) + (grouped and self.shared_stacked)  # the stack's layers
-        if shared is not None and grouped and self.shared_stacked:
+        takes_shared = grouped and self.shared_stacked  # the stack ends with the shared expert
+        num_experts = len(self) + takes_shared  # the stack's layers
+        if shared is not None and takes_shared:
             ids = torch.cat([ids, ids.new_full((len(ids), 1), len(self))], dim=1)  # the last id: added last
             weights = torch.cat([weights, shared[1]], dim=1)
             shared = None

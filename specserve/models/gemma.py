@@ -190,6 +190,9 @@ class GemmaExperts(nn.Module):
     def use_grouped_mm(self) -> None:
         self.grouped_mm = True
 
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
     @property
     def reads_host(self) -> bool:
         """Whether a forward waits for the host (the loop reads which experts have rows)."""
@@ -202,15 +205,16 @@ class GemmaExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.grouped_mm:
             rows, counts, slots = dispatch(x, ids, len(self.gate_up_proj))
-            y = grouped_mlp(
-                rows, counts, self.gate_up_proj, self.down_proj, lambda gate, up: self.act(gate) * up
-            )
+            y = grouped_mlp(rows, counts, self.gate_up_proj, self.down_proj, self.activate)
             return combine(y, weights, ids, slots).to(x.dtype)  # fp32 weights: terms summed in fp32
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             gate, up = batch_invariant_linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = batch_invariant_linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            y = (
+                batch_invariant_linear(self.activate(gate, up), self.down_proj[e])
+                * weights[token, slot, None]
+            )
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
