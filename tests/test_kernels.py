@@ -6,6 +6,9 @@ exactness against references in torch; the build's fallback. Skipped where the k
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -277,3 +280,39 @@ def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, capl
     monkeypatch.setattr(kernels, "_loaded", {})
     assert kernels.disabled() and kernels.load_ops() is None
     assert not Int4Linear(random_int4(16, 64, 32)).on_kernel
+
+
+CAPPED_RUN = """
+import sys, torch
+from specserve.layers import kernels
+x, w, buffers, want = torch.load(sys.argv[1])
+ops = kernels.load_ops()
+assert torch.equal(ops.int4_linear(x, *buffers), want)
+try:
+    ops.fp32_linear(x, w, None, 2)
+    avx512 = "taken"
+except RuntimeError as exc:
+    avx512 = "refused" if "not supported" in str(exc) else str(exc)
+print(kernels.isa_name(), ops.best_isa(), avx512)
+"""
+
+
+def test_specserve_isa_caps_every_kernel_path(tmp_path):
+    """SPECSERVE_ISA=avx2 on a machine with more: the quantized layers take AVX2's path, with the same bits
+    as the uncapped process, and the kernels that pick AVX-512 or AVX2 refuse AVX-512; a bad name fails."""
+    w = random_int4(16, 64, 32)
+    buffers = (pack_int4_codes(w.q), *pack_int4_scales(w))
+    x = inputs(3, 64)
+    torch.save((x, torch.randn(16, 64), buffers, ops.int4_linear(x, *buffers)), tmp_path / "inputs.pt")
+
+    def run(isa: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, kernels.ISA_ENV_VAR: isa}
+        command = [sys.executable, "-c", CAPPED_RUN, str(tmp_path / "inputs.pt")]
+        return subprocess.run(command, env=env, capture_output=True, text=True)
+
+    capped = run("avx2")
+    assert capped.returncode == 0, capped.stderr
+    name, best, avx512 = capped.stdout.split()
+    assert (name, best, avx512) == ("avx2", "1", "refused")  # on AVX-512 machines, refused by the cap
+    wrong = run("avx3")
+    assert wrong.returncode != 0 and "SPECSERVE_ISA='avx3': expected one of scalar, avx2" in wrong.stderr

@@ -10,14 +10,16 @@ into the specserve cache directory, keyed by the sources, torch and Python versi
 the built library directly. Nothing is printed on success. Without a compiler, when the build fails or on
 a CPU without AVX2, `ops()` returns None after one log line: the quantized layers keep torch's own int4
 kernel (specserve/layers/quant.py) and attention torch's SDPA (specserve/layers/attention.py).
-`SPECSERVE_NO_KERNELS=1` forces that fallback.
+`SPECSERVE_NO_KERNELS=1` forces that fallback. `SPECSERVE_ISA=avx2` (or scalar, avx512_vnni, amx) caps the
+paths every kernel may take, for the process: an AVX-512 machine then runs, and times, the AVX2 paths
+(`ATEN_CPU_CAPABILITY=avx2` does the same for torch's own kernels).
 
 The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 VNNI,
 3 AMX):
     int4_linear(x, codes, scales, mins, bias=None, isa=-1), int8_linear(x, codes, scales, bias=None, isa=-1)
     int4_grouped_linear(x, counts, codes, scales, supers, isa=-1), int8_grouped_linear(x, counts, codes,
         scales, isa=-1): buffers of E layers stacked [E, ...], x's rows sorted by layer, counts[e] for layer e
-    quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), parallel_threads()
+    quantize_rows(x, isa=-1) -> (codes, scales, sums), best_isa(), cap_isa(isa), parallel_threads()
     paged_attention_rows(q, k_cache, v_cache, rows, tables, pieces, positions, key_ends, window, scale)
     rms_norm(x, weight, eps, offset), add_rms_norm(x, residual, weight, eps, offset) -> (sum, normed)
     rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots), gated_activation(gate, up, act)
@@ -42,6 +44,7 @@ import torch
 from specserve.cache_dir import cache_root, file_lock
 
 ENV_VAR = "SPECSERVE_NO_KERNELS"
+ISA_ENV_VAR = "SPECSERVE_ISA"
 SOURCES = [
     Path(__file__).with_name(name)
     for name in ("qlinear.cpp", "attention.cpp", "rows.cpp", "delta_rule.cpp", "fp32_linear.cpp", "moe.cpp")
@@ -60,6 +63,16 @@ _loaded: dict[str, object] = {}  # "ops": torch.ops.specserve or None, once trie
 
 def disabled() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def isa_cap() -> int:
+    """The best path SPECSERVE_ISA lets the kernels take (an index into ISA_NAMES; all of them if unset)."""
+    name = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    if not name:
+        return len(ISA_NAMES) - 1
+    if name not in ISA_NAMES:
+        raise ValueError(f"{ISA_ENV_VAR}={name!r}: expected one of {', '.join(ISA_NAMES)}")
+    return ISA_NAMES.index(name)
 
 
 def build_dir() -> Path:
@@ -107,8 +120,10 @@ def load_ops():
         if "ops" not in _loaded:
             _loaded["ops"] = None
             if not disabled():
+                cap = isa_cap()  # a bad value is the caller's mistake: raised, not a fallback
                 try:
                     _build_and_load()
+                    torch.ops.specserve.cap_isa(cap)
                     _loaded["ops"] = torch.ops.specserve
                 except Exception as exc:  # no compiler, no ninja, a failed build: fall back
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

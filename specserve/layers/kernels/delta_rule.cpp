@@ -147,8 +147,7 @@ using Unit = void (*)(float*, int64_t, int64_t, int64_t, int64_t, const Step*, i
 // isa: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 or more AVX-512 (qlinear's numbering). Returns the
 // unit function and its columns per unit.
 std::pair<Unit, int64_t> unit_for(int64_t isa) {
-  __builtin_cpu_init();
-  const bool avx512 = has_avx512(), avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = has_avx512(), avx2 = has_avx2();
   if (isa < 0) isa = avx512 ? 2 : avx2 ? 1 : 0;
   TORCH_CHECK(isa == 0 || (isa == 1 && avx2) || (isa >= 2 && avx512), "delta rule: path ", isa,
               " is not supported by this CPU");

@@ -37,6 +37,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // inputs per activation block, the smallest weight group
@@ -70,10 +72,15 @@ int64_t detect_isa() {
   return kScalar;
 }
 
-// Asked once: the engine asks before every forward, and the AMX check is a system call.
+// Detected once: the engine asks before every forward, and the AMX check is a system call.
 int64_t best_isa() {
-  static const int64_t best = detect_isa();
-  return best;
+  static const int64_t detected = detect_isa();
+  return std::min(detected, specserve_vec::isa_cap().load());
+}
+
+void cap_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= kAmx, "cap_isa: path ", isa, " is not one of 0 .. 3");
+  specserve_vec::isa_cap() = isa;
 }
 
 // One call's activations: row r's codes of block b at q + (r * nb + b) * 32, its scale and sum at
@@ -832,6 +839,7 @@ int64_t parallel_threads() {
 
 TORCH_LIBRARY(specserve, m) {
   m.def("best_isa() -> int", &best_isa);
+  m.def("cap_isa(int isa) -> ()", &cap_isa);
   m.def("parallel_threads() -> int", &parallel_threads);
   m.def("quantize_rows(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_rows);
   m.def(

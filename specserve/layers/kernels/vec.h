@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -77,9 +78,22 @@ SPECSERVE_INLINE Vec<L> exp_nonpositive(Vec<L> x) {
   return p * scale;
 }
 
+// The best path any kernel may take (qlinear's numbering: 0 scalar, 1 AVX2, 2 AVX-512, 3 AMX), lowered by
+// SPECSERVE_ISA once the library is loaded (kernels/__init__.py), before any kernel runs: an AVX-512
+// machine can then run, and time, the AVX2 paths.
+inline std::atomic<int64_t>& isa_cap() {
+  static std::atomic<int64_t> cap{3};
+  return cap;
+}
+
 inline bool has_avx512() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
+  return isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
+}
+
+inline bool has_avx2() {
+  __builtin_cpu_init();
+  return isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 }  // namespace specserve_vec
