@@ -68,8 +68,6 @@ class Platform:
         if not self.is_cuda:
             return []
         refused = []
-        if dtype == "float16":
-            refused.append("float16")  # the Triton attention kernel takes fp32 and bf16
         if quantization is not None:
             refused.append(f"quantization {quantization!r}")  # specserve's int4 / int8 kernels are CPU code
         if tensor_parallel_size > 1:

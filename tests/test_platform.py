@@ -78,8 +78,7 @@ def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
     assert EngineConfig(model="m", device="cuda", dtype="float32").dtype == "float32"
     with pytest.raises(SpecserveError, match=r"quantization 'int4' do\(es\) not run on cuda:0 yet"):
         EngineConfig(model="m", device="cuda", quantization="int4")
-    with pytest.raises(SpecserveError, match=r"float16 do\(es\) not run on cuda:0"):
-        EngineConfig(model="m", device="cuda", dtype="fp16")
+    assert EngineConfig(model="m", device="cuda", dtype="fp16").dtype == "float16"
     with pytest.raises(SpecserveError, match=r"tensor parallelism .* \(--device cpu\)"):
         EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
 

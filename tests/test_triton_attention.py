@@ -101,6 +101,7 @@ CASES = {
     "values-narrower-than-keys": ({**GQA3, "value_dim": 32}, {}),
     "bf16-d256-window": ({**BF16, "head_dim": 256}, {"sliding_window": 40}),  # Gemma's sliding layers
     "bf16-d512-block64": ({**BF16, "head_dim": 512, "block_size": 64}, {}),  # Gemma 4's global layers
+    "fp16-gqa-softcap": ({**GQA3, "dtype": torch.float16}, {"logit_softcap": 5.0}),
 }
 
 
@@ -111,8 +112,9 @@ def test_every_piece_shape_matches_sdpa_in_one_call(case):
     got = setup.call(MIXED, **call_args)
     want = setup.call(MIXED, **call_args, backend=sdpa_paged_attention)
     dtype = setup.keys.dtype
-    # bf16: each side rounds its output (one ulp: 2^-8 relative) and the kernel its softmax weights
-    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    # 16-bit: each side rounds its output (one ulp: 2^-8 relative in bf16, 2^-11 in fp16) and the kernel
+    # its softmax weights
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
     assert all(out.dtype == dtype for out in got.values())
     rows = list(got)  # every (sequence, position) of the call, in the flat batch's order
     got, want = torch.stack([got[row] for row in rows]), torch.stack([want[row] for row in rows])
@@ -157,7 +159,11 @@ def test_fits_says_which_calls_the_kernel_takes():
 
 # (dtype, head_dim, group, sliding_window, logit_softcap, causal): Qwen's GQA; Gemma 4's global layers with
 # every option on (fp32, as slow to compile as both, is left to the GPU)
-COMPILED = [("bf16", 128, 8, None, None, True), ("bf16", 512, 8, 512, 30.0, False)]
+COMPILED = [
+    ("bf16", 128, 8, None, None, True),
+    ("bf16", 512, 8, 512, 30.0, False),
+    ("fp16", 128, 8, None, None, True),
+]
 H100_SHARED_MEMORY = 227 * 1024  # per block
 
 

@@ -26,7 +26,7 @@ from specserve.layers.attention import KVCache
 from specserve.layers.metadata import ForwardMetadata, PieceIndex
 
 MAX_HEAD_DIM = 512  # Gemma 4's global layers
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _indices_by_device(meta: ForwardMetadata) -> dict[torch.device, PieceIndex]:
@@ -157,12 +157,13 @@ def _tanh(x):
 
 @triton.jit
 def _dot(a, b, acc, WIDEN: tl.constexpr):
-    # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns, so it gets them in fp32:
-    # the same products (a bf16 product is exact in fp32), summed in fp32 as the tensor cores do.
+    # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns, so it gets 16-bit operands
+    # in fp32: the same products (a bf16 or fp16 product is exact in fp32), summed in fp32 as the tensor
+    # cores do.
     if WIDEN:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    # "ieee": fp32 operands keep fp32 products (the default rounds them to TF32); bf16 ones ignore it
+    # "ieee": fp32 operands keep fp32 products (the default rounds them to TF32); 16-bit ones ignore it
     return tl.dot(a, b, acc, input_precision="ieee")
 
 
