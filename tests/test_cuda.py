@@ -47,12 +47,15 @@ def _logits(model_dir: str, device: str, dtype: torch.dtype) -> torch.Tensor:
     return runner.forward(PIECES, rows).logits.float().cpu()
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_every_family_on_cuda_matches_the_cpu_fp32_reference(tiny_model_dir, arch):
-    """bf16 on the GPU against fp32 on the CPU: close in value (bf16's 8 bits of mantissa over a few
-    layers) and the same top-1 token wherever the reference's top two are not within that error."""
+@pytest.mark.parametrize(
+    "arch, dtype",
+    [(arch, torch.bfloat16) for arch in FAMILIES] + [("qwen3", torch.float16), ("qwen3_5", torch.float16)],
+)
+def test_every_family_on_cuda_matches_the_cpu_fp32_reference(tiny_model_dir, arch, dtype):
+    """bf16 (and fp16) on the GPU against fp32 on the CPU: close in value (bf16's 8 bits of mantissa over a
+    few layers) and the same top-1 token wherever the reference's top two are not within that error."""
     reference = _logits(str(tiny_model_dir(arch)), "cpu", torch.float32)
-    cuda = _logits(str(tiny_model_dir(arch)), "cuda", torch.bfloat16)
+    cuda = _logits(str(tiny_model_dir(arch)), "cuda", dtype)
     scale = reference.abs().max()
     assert (cuda - reference).abs().max() < 0.05 * scale
     top2 = reference.topk(2, dim=-1).values
