@@ -111,14 +111,23 @@ def recorded_proposals(llm) -> list:
     return calls
 
 
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("kind", ["plain", "ordered"])
-def test_drafts_match_transformers(kind, gemma):
+def test_drafts_match_transformers(kind, device, gemma):
     """A prompt longer than the sliding window; q of each draft step (temperature 1: the softmax of the
     assistant's logits) against transformers' assistant on the target's shared KV states. The centroid
-    vocabulary: q is 0 off the selected tokens, transformers' logits there are a floor."""
+    vocabulary: q is 0 off the selected tokens, transformers' logits there are a floor. On CUDA too: the
+    assistant beside the target on the GPU, reading its caches through the Triton kernel."""
     target_dir, reference, assistants = gemma
     llm = LLM(
         target_dir,
+        device=device,
         dtype="float32",
         max_model_len=128,
         speculative_config={"method": "mtp", "model": assistants[kind], "num_speculative_tokens": 3},
@@ -129,7 +138,7 @@ def test_drafts_match_transformers(kind, gemma):
     tokens, proposal = calls[0]
     assert len(tokens) == 21 and len(proposal.token_ids) == 3
     expected = reference_steps(reference, assistants[kind], tokens, proposal.token_ids[:-1])
-    for q, logits in zip(proposal.probs, expected):
+    for q, logits in zip(proposal.probs.cpu(), expected):
         support = q.nonzero().flatten()
         if kind == "ordered":
             assert len(support) == 4 * 16  # the tokens of the top 4 centroids

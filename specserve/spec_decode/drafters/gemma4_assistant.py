@@ -27,6 +27,7 @@ from specserve.layers.metadata import ForwardMetadata
 from specserve.models.gemma import GemmaForCausalLM
 from specserve.models.gemma4_assistant import KV_SOURCE, Gemma4Assistant
 from specserve.models.loader import resolve_model
+from specserve.models.prepare import place
 from specserve.models.weight_files import iter_checkpoint_tensors
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.drafters.base import Drafter, sample_drafts
@@ -67,12 +68,11 @@ class Gemma4AssistantDrafter(Drafter):
                 "a Gemma 4 assistant reads the target's KV cache, which tensor parallelism splits over "
                 "ranks: use tensor_parallel_size 1"
             )
-        if target.platform.is_cuda:
-            raise SpecserveError(f"{source}: a Gemma 4 assistant runs on the CPU only for now (--device cpu)")
         with on_meta():
             model = Gemma4Assistant(config)
         model = model.to_empty(device="cpu").to(target.torch_dtype).eval()
         model.load_weights(iter_checkpoint_tensors(directory), str(directory))
+        place(model, target.platform)  # beside the target: its caches are read in place
         sources = _target_sources(model, target, source)
         return cls(model, target, sources, spec.num_speculative_tokens or 1)
 
@@ -122,7 +122,9 @@ class Gemma4AssistantDrafter(Drafter):
         )
         hidden = self.target.model.norm(torch.stack([self.newest.entry(s.request_id).feature for s in rows]))
         hidden = hidden.to(self.model.pre_projection.weight.dtype)
-        tokens = torch.tensor([s.all_token_ids[-1] for s in rows])
+        attn, (anchors, tokens) = attn.to(
+            hidden.device, anchors, torch.tensor([s.all_token_ids[-1] for s in rows])
+        )
         drafted: list[list[int]] = [[] for _ in rows]
         q_rows, peak_rows = [], []
         for _ in range(num_tokens):
@@ -136,7 +138,7 @@ class Gemma4AssistantDrafter(Drafter):
             peak_rows.append(peaks)
             for d, token in zip(drafted, new):
                 d.append(token)
-            tokens = torch.tensor(new)
+            tokens = torch.tensor(new, device=hidden.device)
         probs, confidences = torch.stack(q_rows, 1), torch.stack(peak_rows, 1)
         for r, i in enumerate(ready):
             proposals[i] = DraftProposal(drafted[r], probs[r], confidences[r])
