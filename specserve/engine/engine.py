@@ -34,7 +34,7 @@ from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.speculator import Speculator
 from specserve.structured.grammar import GrammarCompiler, RequestGrammar
 from specserve.worker.cuda_graphs import graph_config
-from specserve.worker.device_memory import device_cache_budget
+from specserve.worker.device_memory import device_cache_budget, lm_activation_bytes
 from specserve.worker.model_runner import ModelRunner, PieceInput, PromptScoring, cache_layout
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -111,16 +111,21 @@ class LLMEngine:
                 -(-self.max_model_len // config.block_size) + 1,  # a verification's slack block included
             )
         if budget is None:  # on a GPU: what gpu_memory_utilization leaves after weights and activations
-            rows = config.max_num_seqs * rows_per_piece
-            budget = device_cache_budget(
+            rows = config.max_num_seqs * rows_per_piece  # a full decode batch: every verification's rows
+            activations = lm_activation_bytes(
                 self.model,
-                config.gpu_memory_utilization,
                 config.max_num_batched_tokens,
                 rows,
                 config.block_size,
                 config.torch_dtype,
                 graph_tokens=graphs.largest_bucket if graphs is not None else 0,
             )
+            # The drafter's, added: its graphs keep a pool of their own; its eager peak comes at another
+            # time than the target's, but what a round leaves (its drafts' q rows) lives through the
+            # target's forward, so the sum is the simple bound.
+            activations += spec.activation_bytes() if spec is not None else 0
+            device = next(self.model.parameters()).device
+            budget = device_cache_budget(device, config.gpu_memory_utilization, activations)
             budget_text = (
                 f"gpu_memory_utilization={config.gpu_memory_utilization} ({budget / 2**30:.2f} GiB left "
                 "for caches after the weights and activations; or give kv_cache_memory)"

@@ -68,6 +68,9 @@ class Speculator:
     def cache_spec(self, block_size: int) -> DrafterCacheSpec:
         return self.drafter.cache_spec(block_size)
 
+    def activation_bytes(self) -> int:
+        return self.drafter.activation_bytes(self.target)
+
     def bind(self, runner: ModelRunner, caches: CacheCoordinator) -> None:
         """The drafter's caches (`caches.drafter`), and the verify planner. The scheduled policies' cost
         profile: the configured file, else the one cached for this model / dtype / threads / drafter, else

@@ -72,6 +72,12 @@ class Drafter:
     def bind_caches(self, caches: DrafterCaches) -> None:
         """Its caches' groups, as `cache_spec` asked; it allocates its tensors now."""
 
+    def activation_bytes(self, target: TargetContext) -> int:
+        """On a GPU, before its caches: what its network's forwards take beyond its weights and caches (its
+        largest eager step's peak and its CUDA graphs' pool, measured: worker/device_memory.py), which the
+        engine sets aside from `gpu_memory_utilization`'s budget (none by default: no network)."""
+        return 0
+
     def bind_target(self, kv: PagedGroup, layers: list) -> None:
         """The target's KV cache, for a drafter that reads it: the group (each request's block table) and
         its layers' caches (the runner's, in model layer order)."""

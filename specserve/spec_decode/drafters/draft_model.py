@@ -34,6 +34,7 @@ from specserve.models.loader import load_model
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.drafters.base import Drafter, sample_drafts
 from specserve.spec_decode.drafters.graphs import draft_graph_config
+from specserve.worker.device_memory import lm_activation_bytes
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block, state_bytes_per_slot
 
 
@@ -82,6 +83,12 @@ class DraftModelDrafter(Drafter):
         kv = PagedSpec(kv_per_block, prefix_caching=not hybrid, entry_type=DraftState)
         states = state_bytes_per_slot(self.model, self.dtype)
         return DrafterCacheSpec((kv,), states, state_slots_per_request=2)  # committed, drafting
+
+    def activation_bytes(self, target: TargetContext) -> int:
+        """As the target's (a step of its tokens; a row sampled per request), its graphs' pool included."""
+        graph_tokens = self.graph_config.largest_bucket if self.graph_config is not None else 0
+        limits = (target.max_num_batched_tokens, target.max_num_seqs, target.block_size, self.dtype)
+        return lm_activation_bytes(self.model, *limits, graph_tokens=graph_tokens)
 
     def bind_caches(self, caches: DrafterCaches) -> None:
         (group,) = caches.paged

@@ -6,6 +6,7 @@ eagerly otherwise."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from specserve.spec_decode.deepspec.checkpoint import load_draft_checkpoint
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch, attention_geometry
 from specserve.spec_decode.drafters.base import Drafter
 from specserve.spec_decode.drafters.graphs import DraftGraphs, DraftInputs, draft_graph_config
+from specserve.worker.device_memory import GRAPH_POOL_FORWARDS, peak_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -177,18 +179,55 @@ class HiddenStateDrafter(Drafter):
         self.blocks = group.blocks
         self.states = group.entries  # request id -> its context (the coordinator frees it with the request)
         num_blocks = group.blocks.num_blocks
-        shape = (num_blocks + (self.graph_config is not None), group.block_size)  # graphs: a scratch block
-        shape += (self.layout.num_kv_heads, self.layout.head_dim)
-        on = {"dtype": self.dtype, "device": self.device}
-        self.caches = [
-            KVCache(torch.zeros(shape, **on), torch.zeros(shape, **on)) for _ in range(self.layout.num_layers)
-        ]
+        scratch = self.graph_config is not None  # graphs: a block for the padding rows
+        self.caches = self._new_caches(num_blocks + scratch, group.block_size)
         if self.graph_config is not None:
             args = (self.caches, group.block_size, num_blocks, self.graph_config, self.causal)
             self.graphs = DraftGraphs(self.forward_rows, *args, self.row_widths())
         group.caches, group.reads_next_token = self.caches, self.reads_next_token
         if self.reads_next_token:
-            group.last_features = torch.zeros(num_blocks, self.feature_width, **on)
+            group.last_features = self.caches[0].k.new_zeros(num_blocks, self.feature_width)
+
+    def _new_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        shape = (num_blocks, block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        on = {"dtype": self.dtype, "device": self.device}
+        return [
+            KVCache(torch.zeros(shape, **on), torch.zeros(shape, **on)) for _ in range(self.layout.num_layers)
+        ]
+
+    def activation_bytes(self, target: TargetContext) -> int:
+        """Its forwards' (worker/device_memory.py): one of as many query rows as a target step holds, after
+        as many K/V-only rows where it reads them (a DSpark round's context), and, where it replays graphs,
+        their pool: of its largest bucket's forward (query and K/V-only rows)."""
+        kv = self.row_widths()[1] > 0
+        rows = target.max_num_batched_tokens
+        total = self._probe_bytes(rows, rows * kv, target.block_size)
+        if self.graph_config is not None:
+            bucket = self.graph_config.largest_bucket
+            total += GRAPH_POOL_FORWARDS * self._probe_bytes(bucket, bucket * kv, target.block_size)
+        return total
+
+    def _probe_bytes(self, num_query: int, num_kv: int, block_size: int) -> int:
+        """The peak of an eager forward of one request's `num_query` query rows after `num_kv` K/V-only
+        rows, on caches of its own."""
+        query_width, kv_width = self.row_widths()
+        on = {"dtype": self.dtype, "device": self.device}
+
+        def setup() -> Callable[[], int]:
+            caches = self._new_caches(-(-(num_kv + num_query) // block_size), block_size)
+            table = list(range(caches[0].k.shape[0]))
+            query_rows = torch.zeros(num_query, query_width, **on) if query_width else None
+            kv_rows = torch.zeros(num_kv, kv_width, **on) if kv_width else None
+            kv_only = ([0] * num_kv, list(range(num_kv)))
+
+            @torch.inference_mode()
+            def forward() -> int:
+                self.eager_forward([table], caches, [[0] * num_query], [num_kv], kv_only, query_rows, kv_rows)
+                return 0
+
+            return forward
+
+        return peak_bytes(self.device, setup)
 
     def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
         """The network's paged forward (drafters/graphs.py's DraftForward): the query rows' outputs."""
@@ -215,13 +254,26 @@ class HiddenStateDrafter(Drafter):
         key = self.graphs.key_for(token_ids, len(kv_only[0]), tables) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(key, token_ids, starts, tables, kv_only, query_rows, kv_rows)
+        return self.eager_forward(tables, self.caches, token_ids, starts, kv_only, query_rows, kv_rows)
+
+    def eager_forward(
+        self,
+        block_tables: list[list[int]],
+        caches: list[KVCache],
+        token_ids: list[list[int]],
+        starts: list[int],
+        kv_only: tuple[list[int], list[int]],
+        query_rows: torch.Tensor | None,
+        kv_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`run_forward` over a paged batch built for it, on `caches` (the drafter's, or a probe's)."""
         lens = [len(t) for t in token_ids]
         query_pos = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long)
-        owners = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(lens))
+        owners = torch.repeat_interleave(torch.arange(len(block_tables)), torch.tensor(lens))
         kv_owner = torch.cat([torch.tensor(kv_only[0], dtype=torch.long), owners])
         kv_pos = torch.cat([torch.tensor(kv_only[1], dtype=torch.long), query_pos])
         tokens = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
-        batch, tokens = self.paged_batch(states, kv_owner, kv_pos, lens, query_pos, self.causal, tokens)
+        batch, tokens = self.paged_batch(block_tables, caches, kv_owner, kv_pos, lens, query_pos, tokens)
         return self.forward_rows(DraftInputs(tokens, query_rows, kv_rows), batch)
 
     @staticmethod
@@ -262,34 +314,34 @@ class HiddenStateDrafter(Drafter):
 
     def paged_batch(
         self,
-        states: list[ContextState],
+        block_tables: list[list[int]],
+        caches: list[KVCache],
         kv_owner: torch.Tensor,
         kv_pos: torch.Tensor,
         query_lens: list[int],
         query_pos: torch.Tensor,
-        causal: bool,
         token_ids: torch.Tensor,
     ) -> tuple[PagedDraftBatch, torch.Tensor]:
-        """Rows to write (owner request, position) and queries (per request, consecutive) of one forward,
-        and the queries' token ids; every request's blocks must already cover its last position. Built on
-        the host, sent to the drafter's device in one copy."""
-        tables = padded_block_tables([st.block_table for st in states])
-        owners = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))
-        last = torch.full((len(states),), -1, dtype=torch.long)
+        """Rows to write (owner request, position) and queries (per request, consecutive) of one forward
+        over `caches`, and the queries' token ids; every request's blocks must already cover its last
+        position. Built on the host, sent to the drafter's device in one copy."""
+        block_size = caches[0].k.shape[1]
+        owners = torch.repeat_interleave(torch.arange(len(block_tables)), torch.tensor(query_lens))
+        last = torch.full((len(block_tables),), -1, dtype=torch.long)
         last = last.scatter_reduce(0, kv_owner, kv_pos, reduce="amax").scatter_reduce(
             0, owners, query_pos, reduce="amax"
         )
         meta = ForwardMetadata.build(
             query_start=row_offsets(query_lens),
             context_lens=(last + 1).tolist(),
-            block_tables=[st.block_table for st in states],
+            block_tables=block_tables,
             positions=query_pos,
-            block_size=self.blocks.block_size,
-            causal=causal,
+            block_size=block_size,
+            causal=self.causal,
         )
-        kv_slots = slot_mapping(tables, kv_owner, kv_pos, self.blocks.block_size)
+        kv_slots = slot_mapping(padded_block_tables(block_tables), kv_owner, kv_pos, block_size)
         meta, (kv_pos, kv_slots, token_ids) = meta.to(self.device, kv_pos, kv_slots, token_ids)
-        return PagedDraftBatch(meta.positions, kv_pos, kv_slots, meta, self.caches), token_ids
+        return PagedDraftBatch(meta.positions, kv_pos, kv_slots, meta, caches), token_ids
 
     def roll_back(self, seqs: list[Sequence], states: list[ContextState], lengths: list[int]) -> None:
         """Keep the first `lengths[i]` rows of each request's draft cache (a length change): its context
