@@ -227,6 +227,39 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     assert "another vocabulary" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("killed_at", [2, 4], ids=["plain serving", "speculation"])
+def test_a_killed_gpu_benchmark_keeps_what_it_measured(tmp_path, monkeypatch, killed_at):
+    """gpu-bench.json is written after each measured phase: a run stopped in its `killed_at`-th serving run
+    (the second plain one, or the second speculative one) leaves the figures measured before it."""
+    from specserve.bench import gpu
+
+    real, calls = gpu.serve, []
+
+    def serve(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == killed_at:
+            raise KeyboardInterrupt  # what a timeout's signal ends it with, as far as the file can tell
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "serve", serve)
+    argv = ["--device", "cpu", "--shape", "tiny", "--dtype", "float32", "--context", "40", "--repeats", "1"]
+    argv += ["--concurrency", "1,2", "--spec-concurrency", "1", "--input-len", "16", "--output-len", "4"]
+    argv += ["--copy-bytes", "100000", "--draft-shape", "tiny", "--new-tokens", "3", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(argv)
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu-bench.json"]  # whole, no partial file beside it
+    result = json.loads((tmp_path / "gpu-bench.json").read_text())
+    run = result["runs"]["eager"]
+    assert run["decode_tokens_per_s"] > 0 and len(run["verify_ratio"]) == len(gpu.KS)
+    if killed_at == 2:
+        assert list(run["serving"]) == ["1"] and "transformers_tokens_per_s" not in result
+        assert "speculative" not in result
+    else:
+        assert list(run["serving"]) == ["1", "2"] and "vs_transformers" in run
+        served = [by for by in result["speculative"]["configs"].values() if by]
+        assert len(served) == 1 and list(served[0]) == ["1"]
+
+
 def test_the_gpu_benchmark_starts_no_speculative_run_past_its_budget():
     """Past `--budget-s` every speculative run left is listed as skipped, none is started (no engine is
     built from the model directories, which do not exist)."""

@@ -24,6 +24,9 @@ far: what it accepts is what the random target's greedy output happens to repeat
 
     python -m specserve.bench.gpu [--shape qwen3-8b] [--context 1024] [--out DIR]
 
+With `--out`, gpu-bench.json holds the figures measured so far after each phase (a run stopped by a timeout
+keeps them); the plots are drawn at the end.
+
 The figures come with CUDA graphs and again eager (`enforce_eager`); speculation with graphs alone.
 `--device cpu --shape tiny --draft-shape tiny` runs it anywhere (the suite does, as a check of the script
 itself; a draft of the target's shape gets the target's weights, one seed, and accepts every draft).
@@ -32,11 +35,14 @@ itself; a draft of the target's shape gets the target's weights, one seed, and a
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -240,7 +246,9 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run(args: argparse.Namespace, workdir: Path) -> dict:
+def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = lambda result: None) -> dict:
+    """Every figure; `save` is handed the results so far after each measured phase (a run killed by a
+    timeout keeps what it measured)."""
     started = time.monotonic()
     platform = resolve_platform(args.device)
     device, dtype = platform.device, getattr(torch, args.dtype)
@@ -267,39 +275,52 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
             "roofline_share": read_bytes / timings["decode_s"] / bandwidth,
             "verify_ratio": {k: t / timings["decode_s"] for k, t in timings["verify_s"].items()},
         }
+    save(result)
     del model
     release_memory()
     for mode, eager in modes.items():
-        result["runs"][mode]["serving"] = {c: serve(model_dir, args, c, eager) for c in args.concurrency}
+        served = result["runs"][mode]["serving"] = {}
+        for c in args.concurrency:
+            served[c] = serve(model_dir, args, c, eager)
+            save(result)
     if not args.no_transformers:
         hf_s = transformers_decode_s(config, dtype, device, args.context, args.new_tokens)
         result["transformers_tokens_per_s"] = 1 / hf_s
         for run in result["runs"].values():
             run["vs_transformers"] = run["decode_tokens_per_s"] * hf_s
+        save(result)
     if not args.no_speculation:
         draft_dir = config_dir(transformers.Qwen3Config(**SHAPES[args.draft_shape]), workdir / "draft")
         mode = next(iter(modes))  # with CUDA graphs where the platform captures them
         deadline = started + args.budget_s if args.budget_s is not None else float("inf")
-        result["speculative"] = speculation(model_dir, draft_dir, args, mode, modes[mode], deadline)
+        result["speculative"] = speculation(
+            model_dir,
+            draft_dir,
+            args,
+            mode,
+            modes[mode],
+            deadline,
+            lambda spec: save(result | {"speculative": spec}),
+        )
     return result
 
 
 def speculation(
-    model_dir: str, draft_dir: str, args: argparse.Namespace, mode: str, eager: bool, deadline: float
+    model_dir: str,
+    draft_dir: str,
+    args: argparse.Namespace,
+    mode: str,
+    eager: bool,
+    deadline: float,
+    save: Callable[[dict], None] = lambda spec: None,
 ) -> dict:
     """The serving runs again with each drafter (a draft model of `--draft-shape`, the n-gram drafter) at
     each `--spec-concurrency`, lowest first, until the monotonic clock passes `deadline`; the rest are
-    listed as skipped."""
+    listed as skipped. `save` is handed the results so far after each run."""
     configs = default_configs(draft_dir, [args.spec_k])
     found: dict[str, dict[int, dict]] = {name: {} for name, _ in configs}
     skipped = []
-    for concurrency in sorted(args.spec_concurrency):
-        for name, config in configs:
-            if time.monotonic() > deadline:
-                skipped.append(f"{name} at {concurrency}")
-            else:
-                found[name][concurrency] = serve(model_dir, args, concurrency, eager, config)
-    return {
+    spec = {
         "mode": mode,
         "k": args.spec_k,
         "draft_shape": args.draft_shape,
@@ -308,6 +329,14 @@ def speculation(
         "configs": found,
         "skipped": skipped,
     }
+    for concurrency in sorted(args.spec_concurrency):
+        for name, config in configs:
+            if time.monotonic() > deadline:
+                skipped.append(f"{name} at {concurrency}")
+            else:
+                found[name][concurrency] = serve(model_dir, args, concurrency, eager, config)
+                save(spec)
+    return spec
 
 
 def report(result: dict) -> str:
@@ -428,14 +457,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--output-len must be at least 2 (per-user speed is 1 / time per output token)")
     if SHAPES[args.draft_shape]["vocab_size"] != SHAPES[args.shape]["vocab_size"]:
         parser.error(f"--draft-shape {args.draft_shape} has another vocabulary than --shape {args.shape}")
-    with tempfile.TemporaryDirectory() as workdir:
-        result = run(args, Path(workdir))
-    print(report(result))
-    if args.out:
-        out = Path(args.out)
+    out = Path(args.out) if args.out else None
+    save = (lambda result: None) if out is None else functools.partial(write_results, out / "gpu-bench.json")
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu-bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    with tempfile.TemporaryDirectory() as workdir:
+        result = run(args, Path(workdir), save)
+    print(report(result))
+    if out is not None:
+        save(result)
         plot(result, out / "verify-cost.png")
+
+
+def write_results(path: Path, result: dict) -> None:
+    """`result` as JSON at `path`, whole or not at all: a run killed mid-write keeps the previous file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":
