@@ -105,8 +105,9 @@ def test_a_context_that_reads_the_next_token_shares_a_hit_but_its_last_row():
     a = group.open("a")
     group.blocks.grow(a, 4)
     rows = torch.arange(4)  # a's context rows 0..3 written, with their target features
-    slots = torch.tensor(a.block_table)[rows // 2] * 2 + rows % 2
-    group.keep_last_features(slots, rows, torch.arange(12.0).view(4, 3))
+    group.keep_last_features(
+        [a.block_table], torch.zeros(4, dtype=torch.long), rows, torch.arange(12.0).view(4, 3)
+    )
     group.roll_back(a, 4, lambda: [1, 2, 3, 4, 5])
     assert len(group.hit([1, 2, 3, 4, 9], 4)) == 2  # keyed by the blocks' own tokens: the next may differ
     group.attach("b", [1, 2, 3, 4, 9], 4)
@@ -117,6 +118,23 @@ def test_a_context_that_reads_the_next_token_shares_a_hit_but_its_last_row():
     assert b.num_cached == 3 and b.num_pending == 1  # row 3 again, from the feature kept with its block
     assert torch.equal(b.pending[0], torch.tensor([[9.0, 10.0, 11.0]]))
     assert group.blocks.ref_counts[a.block_table[1]] == 1  # the shared block is a's alone again
+
+
+def test_the_feature_kept_with_a_block_is_the_one_of_its_own_last_row():
+    """One forward writes context rows of two requests (EAGLE-3's first forward of a round): each row that
+    ends a block leaves its feature with that block of its own request's table."""
+    group = ContextGroup(BlockManager(8, 2, enable_prefix_caching=True), ContextState, True)
+    group.last_features = torch.zeros(8, 3)
+    a, b = group.open("a"), group.open("b")
+    group.blocks.grow(a, 4)
+    group.blocks.grow(b, 3)
+    owners, positions = torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([1, 2, 3, 0, 1, 2])
+    features = torch.arange(18.0).view(6, 3)
+    group.keep_last_features([a.block_table, b.block_table], owners, positions, features)
+    kept = {a.block_table[0]: 0, a.block_table[1]: 2, b.block_table[0]: 4}  # block -> the row ending it
+    for block in range(8):
+        expected = features[kept[block]] if block in kept else torch.zeros(3)
+        assert torch.equal(group.last_features[block], expected)
 
 
 # ---- the engine -----------------------------------------------------------------------------------------

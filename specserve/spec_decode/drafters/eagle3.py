@@ -17,7 +17,6 @@ from specserve.config import SpeculativeConfig
 from specserve.core.batch import row_offsets
 from specserve.core.proposal import DraftProposal
 from specserve.core.sequence import Sequence
-from specserve.layers.metadata import padded_block_tables, slot_mapping
 from specserve.layers.transfer import to_host
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.config import Eagle3Config
@@ -76,8 +75,7 @@ class Eagle3Drafter(HiddenStateDrafter):
         )
         pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
         owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
-        tables = padded_block_tables([st.block_table for st in states])
-        self.group.keep_last_features(slot_mapping(tables, owner, pos, self.blocks.block_size), pos, features)
+        self.group.keep_last_features([st.block_table for st in states], owner, pos, features)
         out = self.run_forward(states, tokens, starts, query_rows=self.model.project_context(features))
         hidden = out[[end - 1 for end in row_offsets(lens)[1:]]]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]

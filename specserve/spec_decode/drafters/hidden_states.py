@@ -108,17 +108,24 @@ class ContextGroup(PagedGroup[ContextState]):
             self._copy_last_block(self.entries[request_id])
 
     def keep_last_features(
-        self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor
+        self,
+        block_tables: Seq[Seq[int]],
+        owners: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor,
     ) -> None:
-        """Of context rows just written (flat cache slots and positions, on the host; target features),
-        keep the features of those that end a block, with the block."""
+        """Of context rows just written (the requests' block tables; each row's request and position, on the
+        host; target features), keep the features of those that end a block, with the block. (Their blocks
+        are looked up alone: the forward that writes the rows builds its own slots.)"""
         if self.last_features is None:
             return
         size = self.block_size
         ends = positions % size == size - 1
         if not ends.any():  # most rounds: nothing to send to the device
             return
-        blocks, rows = to_device(self.last_features.device, slots[ends] // size, ends.nonzero().flatten())
+        rows = ends.nonzero().flatten()
+        blocks = [block_tables[r][p // size] for r, p in zip(owners[rows].tolist(), positions[rows].tolist())]
+        blocks, rows = to_device(self.last_features.device, torch.tensor(blocks, dtype=torch.long), rows)
         self.last_features[blocks] = features[rows].to(self.last_features.dtype)
 
     def _copy_last_block(self, entry: ContextState) -> None:
