@@ -203,7 +203,7 @@ def test_the_engine_sets_the_drafters_share_aside_with_the_targets(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA device")
 def test_a_drafters_probes_are_measured_on_cuda_and_freed(targets):  # noqa: F811
     """DSpark's share in bf16: its eager probe at least its output rows, its graphs' pool more again; the
-    probes leave nothing allocated."""
+    probes free their caches (what stays is rotary's table of the last forward's positions)."""
     cuda = resolve_platform("cuda")
     model = prepare_model(make_drafter_model(targets).to(torch.bfloat16), None, platform=cuda)
     target = replace(fake_target(BLOCK), platform=cuda, dtype="bfloat16", max_num_batched_tokens=256)
@@ -213,5 +213,7 @@ def test_a_drafters_probes_are_measured_on_cuda_and_freed(targets):  # noqa: F81
     with_graphs = drafter.activation_bytes(target)
     drafter.graph_config = None
     eager = drafter.activation_bytes(target)
-    assert torch.cuda.memory_allocated(cuda.device) == before
+    layout = drafter.layout
+    caches = 2 * 256 * layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 2  # the eager probe's
+    assert torch.cuda.memory_allocated(cuda.device) - before < caches
     assert eager >= 256 * model.config.hidden_size * 2 and with_graphs > eager
