@@ -165,8 +165,9 @@ def test_the_engine_sets_the_drafters_share_aside_with_the_targets(
     monkeypatch,
 ):
     """With the budget left to gpu_memory_utilization (on the CPU here: its measurement faked), the
-    activations set aside are the target's probe (eager: the CPU captures no graphs) and the DSpark
-    drafter's (eager and its largest bucket's, as CUDA would configure it); the engine then serves."""
+    activations set aside are the target's probe (eager: the CPU captures no graphs), the DSpark
+    drafter's (eager and its largest bucket's, as CUDA would configure it) and a round's draft
+    distributions, with their sampler copies; the engine then serves. An n-gram drafter samples nothing."""
     static_drafter_forwards(monkeypatch)
     spec = {"method": "dspark", "model": drafter_dirs("qwen3", "vanilla")}  # (built before the fakes)
     measured = iter([1, 10, 100])  # the target's eager probe, the drafter's eager and graph probes
@@ -192,11 +193,16 @@ def test_the_engine_sets_the_drafters_share_aside_with_the_targets(
 
     monkeypatch.setattr(EngineConfig, "__post_init__", as_on_a_gpu)
     llm = LLM(target_dir, max_model_len=128, max_num_seqs=4, speculative_config=spec)
-    assert asked == [1 + 10 + GRAPH_POOL_FORWARDS * 100]
+    k, vocab = llm.engine.speculator.num_draft_tokens, llm.engine.model_config.vocab_size
+    q_rows = (1 + SAMPLER_LOGIT_COPIES) * 4 * k * vocab * 4
+    assert asked == [1 + 10 + GRAPH_POOL_FORWARDS * 100 + q_rows]
     assert llm.engine.speculator.drafter.graphs is not None
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (out,) = llm.generate([[5, 6, 7, 8, 9]], params)
     assert len(out.outputs[0].token_ids) == 8 and llm.engine.spec_stats.num_drafts > 0
+    measured = iter([1])
+    LLM(target_dir, max_model_len=128, max_num_seqs=4, speculative_config={"method": "ngram"})
+    assert asked[-1] == 1
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ from specserve.spec_decode.cost_profile import CostProfile, cached_profile, prof
 from specserve.spec_decode.drafters import build_drafter
 from specserve.spec_decode.planner import FixedPlanner, VerifyPlanner, build_planner, survival
 from specserve.spec_decode.profiler import CostProfiler
+from specserve.worker.device_memory import SAMPLER_LOGIT_COPIES
 from specserve.worker.model_runner import ModelRunner
 
 
@@ -69,7 +70,15 @@ class Speculator:
         return self.drafter.cache_spec(block_size)
 
     def activation_bytes(self) -> int:
-        return self.drafter.activation_bytes(self.target)
+        """What drafting takes of a GPU's budget beside the caches: the drafter's forwards, and a round's
+        draft distributions (q rows of every request's drafts, fp32 over the target's vocabulary), which
+        live through the target's verification, with the sampler's copies while they are drawn (counted
+        as the target's sampled rows are: worker/device_memory.py)."""
+        total = self.drafter.activation_bytes(self.target)
+        if self.drafter.samples_drafts:
+            rows = self.target.max_num_seqs * self.num_draft_tokens
+            total += (1 + SAMPLER_LOGIT_COPIES) * rows * self.target.vocab_size * 4
+        return total
 
     def bind(self, runner: ModelRunner, caches: CacheCoordinator) -> None:
         """The drafter's caches (`caches.drafter`), and the verify planner. The scheduled policies' cost

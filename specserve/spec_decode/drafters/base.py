@@ -43,6 +43,8 @@ class Drafter:
     # Serial drafters ask `keep_drafting` before each draft step; the others draft a round at once and the
     # engine asks the verify planner before it whether the step drafts at all.
     drafts_serially: bool = False
+    # Drafts sampled from a distribution (q rows, which verification reads); n-gram drafts are looked up.
+    samples_drafts: bool = True
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: TargetContext) -> Drafter:

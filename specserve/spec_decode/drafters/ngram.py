@@ -26,6 +26,8 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 
 class NgramDrafter(Drafter):
+    samples_drafts = False
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
