@@ -273,8 +273,11 @@ def run(args: argparse.Namespace) -> dict:
             for q in Q_VALUES:
                 seconds(engine, q)
         for r in range(args.rounds):
+            # every other round in reverse: no engine always runs right after the same one (an engine's
+            # threads keep spinning for a while after its forward, slowing the next one's start)
+            order = engines if r % 2 == 0 else engines[::-1]
             for q in Q_VALUES:
-                for engine in engines:
+                for engine in order:
                     times[engine][q].append(seconds(engine, q))
             t1 = ", ".join(f"{e} {times[e][1][-1] * 1e3:.1f} ms" for e in engines)
             print(f"  round {r + 1}: T(1) {t1}", flush=True)
