@@ -316,3 +316,11 @@ def test_specserve_isa_caps_every_kernel_path(tmp_path):
     assert (name, best, avx512) == ("avx2", "1", "refused")  # on AVX-512 machines, refused by the cap
     wrong = run("avx3")
     assert wrong.returncode != 0 and "SPECSERVE_ISA='avx3': expected one of scalar, avx2" in wrong.stderr
+
+
+def test_a_bad_specserve_isa_is_refused_at_every_load(monkeypatch):
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv(kernels.ISA_ENV_VAR, "avx3")
+    for _ in range(2):  # not a silent fallback the second time
+        with pytest.raises(ValueError, match="expected one of"):
+            kernels.load_ops()

@@ -118,9 +118,10 @@ def load_ops():
     scalar path is there even on a CPU without AVX2 (tests compare the paths); `ops()` says what to use."""
     with _lock:
         if "ops" not in _loaded:
+            # a bad SPECSERVE_ISA is the caller's mistake: raised on every call, never a fallback
+            cap = None if disabled() else isa_cap()
             _loaded["ops"] = None
-            if not disabled():
-                cap = isa_cap()  # a bad value is the caller's mistake: raised, not a fallback
+            if cap is not None:
                 try:
                     _build_and_load()
                     torch.ops.specserve.cap_isa(cap)
