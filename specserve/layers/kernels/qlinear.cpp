@@ -362,8 +362,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
   for (int64_t b = 0; b < a.nb; ++b) {
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = a.q + ((r0 + r) * a.nb + b) * kBlock;
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = zero;
+    // Two sums a row (low and high nibbles, or even and odd lines), added at the end: each chain of
+    // dependent dpbusd is half as long (their latency, not their throughput, bounded a block), and integer
+    // sums are exact in any order.
+    __m512i dot[R], dot2[R];
+    for (int r = 0; r < R; ++r) dot[r] = dot2[r] = zero;
     if (kInt4) {
       prefetch_lines(w.codes + 4 * b * 64 + kPrefetchBytes, 4);
       for (int p = 0; p < 4; ++p) {
@@ -375,7 +378,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
           std::memcpy(&x0, xq[r] + 8 * p, 4);
           std::memcpy(&x1, xq[r] + 8 * p + 4, 4);
           dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(x0));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x1));
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, _mm512_set1_epi32(x1));
         }
       }
     } else {
@@ -387,10 +390,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const We
           int32_t x;
           std::memcpy(&x, xq[r] + 4 * l, 4);
           const __m512i xb = _mm512_set1_epi32(x);
-          dot[r] = _mm512_dpbusd_epi32(dot[r], av, _mm512_mask_sub_epi8(xb, negative, zero, xb));
+          __m512i& sum = l % 2 ? dot2[r] : dot[r];
+          sum = _mm512_dpbusd_epi32(sum, av, _mm512_mask_sub_epi8(xb, negative, zero, xb));
         }
       }
     }
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
     fold_block_avx512<R, kInt4>(acc, dot, w, a, r0, b);
   }
   store_rows_avx512<R>(acc, bias, out, ldo);
