@@ -7,9 +7,10 @@ and run the Gated DeltaNet recurrence (models/prepare.py's `place` puts them int
 does not run there yet (`refusals`), and whether steps may replay CUDA graphs (`captures_graphs`).
 
 On the CPU everything is as it always was: specserve's compiled kernels where they build (or torch's
-fallbacks). On CUDA, attention is specserve's Triton kernel (`layers/triton_attention.py`)
-and the recurrence flash-linear-attention's (`layers/gdn_fla.py`), both tested on the CPU under Triton's
-interpreter; the rest is device-generic torch (docs/cuda.md).
+fallbacks). On CUDA, attention and the int4 / int8 linears are specserve's Triton kernels
+(`layers/triton_attention.py`, `layers/triton_qlinear.py`) and the recurrence flash-linear-attention's
+(`layers/gdn_fla.py`), all tested on the CPU under Triton's interpreter; the rest is device-generic torch
+(docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import SpecserveError
+from specserve.layers import kernels
 
 AUTO_DEVICE_ENV = "SPECSERVE_AUTO_DEVICE"
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -68,8 +70,9 @@ class Platform:
         if not self.is_cuda:
             return []
         refused = []
-        if quantization is not None:
-            refused.append(f"quantization {quantization!r}")  # specserve's int4 / int8 kernels are CPU code
+        if quantization is not None and kernels.ops() is None:
+            # layers are quantized on the host into specserve's kernel layout, which its CPU build provides
+            refused.append(f"quantization {quantization!r} without specserve's CPU kernels (see the log)")
         if tensor_parallel_size > 1:
             refused.append("tensor parallelism")  # its process groups are gloo's
         return refused

@@ -56,9 +56,19 @@ class Pair:
     """One model behind two runners, one plain and one through the static buffers (or graphs), fed the same
     steps; `same(graphs', plain's)` checks each output, `same_logits` the logits."""
 
-    def __init__(self, model_dir, backend=None, graphs=STATIC, platform=CPU, same=bitwise, same_logits=None):
+    def __init__(
+        self,
+        model_dir,
+        backend=None,
+        graphs=STATIC,
+        platform=CPU,
+        same=bitwise,
+        same_logits=None,
+        quantization=None,
+    ):
         dtype = torch.bfloat16 if platform.is_cuda else torch.float32
-        self.model, _, _ = load_model(str(model_dir), dtype=dtype, platform=platform)
+        loaded = load_model(str(model_dir), dtype=dtype, platform=platform, quantization=quantization)
+        self.model = loaded[0]
         if backend is not None:
             for module in self.model.modules():
                 if hasattr(module, "attention_backend"):
@@ -184,16 +194,24 @@ def same_top1_in_bf16(graphs: torch.Tensor, eager: torch.Tensor) -> None:
     assert torch.equal(graphs.argmax(-1)[clear], eager.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    "arch, quantization",
+    [("qwen3", None), ("gemma3", None), ("qwen3", "int4"), ("qwen3_moe", "int8")],  # stacked experts
+)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs a CUDA device")
-def test_replayed_graphs_match_the_eager_forward_on_cuda(tiny_model_dir, arch):
+def test_replayed_graphs_match_the_eager_forward_on_cuda(tiny_model_dir, arch, quantization):
     """Each bucket captured at its first step and replayed (a second step of a bucket replays with new
     inputs): logits, hidden states, captured layers and cache writes close to the eager forward's."""
     cuda = resolve_platform("cuda")
     graphs = GraphConfig(max_tokens=24, max_pieces=6, max_blocks=8, capture=True)
     pair = Pair(
-        tiny_model_dir(arch), graphs=graphs, platform=cuda, same=close_in_bf16, same_logits=same_top1_in_bf16
+        tiny_model_dir(arch),
+        graphs=graphs,
+        platform=cuda,
+        same=close_in_bf16,
+        same_logits=same_top1_in_bf16,
+        quantization=quantization,
     )
     pair.step([0, 1, 2], rows=1, bucket=4)
     pair.step([0, 1, 2, 3, 4], rows=1, bucket=8, capture_layers=(-1, 1))

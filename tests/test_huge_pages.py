@@ -9,6 +9,7 @@ from torch import nn
 
 from specserve.layers import huge_pages
 from specserve.layers.huge_pages import place_on_huge_pages
+from specserve.layers.weight_storage import weight_tensors
 from specserve.models.loader import load_model
 from tests.paged_harness import PagedHarness
 from tests.test_quant import prompts
@@ -48,14 +49,14 @@ def test_a_loaded_model_runs_the_same_from_huge_pages(quantization, tiny_model_d
     plain, _, _ = load_model(directory, quantization=quantization)
     monkeypatch.delenv(huge_pages.ENV_VAR)
     model, _, _ = load_model(directory, quantization=quantization)
-    tensors = list(huge_pages._tensors(model))
-    assert not any(moved(t) for t in huge_pages._tensors(plain))
+    tensors = list(weight_tensors(model))
+    assert not any(moved(t) for t in weight_tensors(plain))
     assert all(moved(t) for t in tensors if not t.is_mkldnn)
     assert thp_eligible(tensors[0].data_ptr())
     assert torch.equal(logits(model), logits(plain))
     # storage identity keeps its meaning: one storage per storage moved, ties and fused views still shared
     storages = {t.untyped_storage().data_ptr() for t in tensors}
-    assert len(storages) == len({t.untyped_storage().data_ptr() for t in huge_pages._tensors(plain)})
+    assert len(storages) == len({t.untyped_storage().data_ptr() for t in weight_tensors(plain)})
     if quantization is None:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     elif (attn := model.model.layers[0].self_attn).q_proj.on_kernel:  # torch's int4 kernel fuses nothing

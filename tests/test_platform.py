@@ -12,6 +12,7 @@ import torch
 
 from specserve.cli_args import add_engine_args, engine_kwargs
 from specserve.config import EngineConfig, SpecserveError
+from specserve.layers import kernels
 from specserve.layers.transfer import to_device, to_host
 from specserve.models.loader import load_model
 from specserve.platform import CPU, Platform, check_device, resolve_platform
@@ -76,8 +77,7 @@ def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
     config = EngineConfig(model="m", device="cuda")
     assert config.dtype == "bfloat16" and "CUDA" in config.dtype_reason
     assert EngineConfig(model="m", device="cuda", dtype="float32").dtype == "float32"
-    with pytest.raises(SpecserveError, match=r"quantization 'int4' do\(es\) not run on cuda:0 yet"):
-        EngineConfig(model="m", device="cuda", quantization="int4")
+    assert EngineConfig(model="m", device="cuda", quantization="int4").quantization == "int4"
     assert EngineConfig(model="m", device="cuda", dtype="fp16").dtype == "float16"
     with pytest.raises(SpecserveError, match=r"tensor parallelism .* \(--device cpu\)"):
         EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
@@ -93,10 +93,19 @@ def test_experts_group_on_the_device_where_grouped_mm_reads_no_host(two_gpus, mo
     assert not cuda.groups_on_device(torch.float32) and not CPU.groups_on_device(torch.bfloat16)
 
 
+def test_quantization_on_cuda_needs_the_cpu_kernels_that_lay_its_weights_out(two_gpus, monkeypatch):
+    """Layers are quantized on the host into specserve's kernel layout, which the CPU build provides."""
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    with pytest.raises(SpecserveError, match=r"quantization 'int4' without specserve's CPU kernels"):
+        EngineConfig(model="m", device="cuda", quantization="int4")
+    config = EngineConfig(model="m", quantization="int8")
+    assert config.platform is CPU and config.device_reason.startswith("auto: quantization 'int8' without")
+
+
 def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):
     config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
     assert config.platform is CPU
-    assert config.device_reason == "auto: quantization 'int8' and tensor parallelism run on the CPU only"
+    assert config.device_reason == "auto: tensor parallelism run on the CPU only"
 
 
 def test_the_caches_budget_is_measured_on_a_gpu_and_given_on_the_cpu(two_gpus):

@@ -28,11 +28,12 @@ import os
 import sys
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from specserve.layers.weight_storage import weight_tensors
 
 ENV_VAR = "SPECSERVE_HUGE_PAGES"
 HUGE_PAGE = 2 * 2**20
@@ -63,15 +64,6 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    for module in model.modules():
-        yield from (t for t in module._parameters.values() if t is not None)
-        yield from (t for t in module._buffers.values() if t is not None)
-        fusion = getattr(module, "fusion", None)
-        if fusion is not None:
-            yield from (t for t in fusion.layer._buffers.values() if t is not None)
-
-
 def _on_our_mapping(address: int) -> bool:
     return any(start <= address < start + len(m) for start, m in list(_mappings.items()))
 
@@ -79,7 +71,7 @@ def _on_our_mapping(address: int) -> bool:
 def _movable(model: nn.Module) -> list[tuple[torch.UntypedStorage, list[torch.Tensor]]]:
     """(storage, the tensors on it) for each storage of `model` that may move, in module order."""
     groups: dict[int, tuple[torch.UntypedStorage, dict[int, torch.Tensor]]] = {}
-    for t in _tensors(model):
+    for t in weight_tensors(model):
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:
             continue
         storage = t.untyped_storage()

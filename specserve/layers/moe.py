@@ -101,7 +101,7 @@ class Experts(nn.ModuleList):
         """x [N, H]; weights, ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x)  [N, H]. `shared`:
         (an expert every token takes, its weights [N, 1]), whose term is added last; stacked with the
         routed ones (`stack_experts`), it is routed as expert E and runs in their grouped calls."""
-        grouped = self.stacks is not None and x.dim() == 2 and kernels.rows_take(x)
+        grouped = self.stacks is not None and self.stacks[0].takes(x)
         takes_shared = grouped and self.shared_stacked  # the stack ends with the shared expert
         num_experts = len(self) + takes_shared  # the stack's layers
         if shared is not None and takes_shared:

@@ -1,5 +1,6 @@
 """Weight-only int8 / int4 linear layers, and `quantize_model`: on specserve's own kernel where it is built
-(specserve/layers/kernels), else on PyTorch's int4 CPU kernel.
+(specserve/layers/kernels), else on PyTorch's int4 CPU kernel. On CUDA the same buffers, in specserve's
+kernel layout, run in a Triton kernel (layers/triton_qlinear.py; `use_device_kernels`).
 
 Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the layers):
 - int4: asymmetric, w ~ q * s + m with q in [0, 15] and a scale s and minimum m per group of G = 32
@@ -323,6 +324,9 @@ class _QuantizedLinear(nn.Module):
     """What the int4 and int8 layers share: their description, and building one from kernel buffers."""
 
     KERNEL_BUFFERS: tuple[str, ...]  # the buffers of specserve's kernel layout, each [N / 16, ...]
+    # The platform's kernels for those buffers where they are not specserve's CPU ops (`use_device_kernels`):
+    # a namespace of functions with the ops' names and arguments (CUDA: layers/triton_qlinear.py).
+    device_ops = None
     in_features: int
     out_features: int
     group_size: int
@@ -439,6 +443,8 @@ class Int4Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_kernel:
             b = self._buffers  # a dict lookup: nn.Module's attribute lookup of a buffer costs ~0.5 us
+            if self.device_ops is not None:
+                return self.device_ops.int4_linear(x, b["packed"], b["scales"], b["supers"], self.bias)
             op = torch.ops.specserve.int4_linear
             return kernel_call(op, x, self.bias, b["packed"], b["scales"], b["supers"])
         return _finish(self.plane.matmul(_as_rows(x)), x, self.bias)
@@ -482,6 +488,8 @@ class Int8Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_kernel:
             b = self._buffers
+            if self.device_ops is not None:
+                return self.device_ops.int8_linear(x, b["packed"], b["scales"], self.bias)
             return kernel_call(torch.ops.specserve.int8_linear, x, self.bias, b["packed"], b["scales"])
         rows = _as_rows(x)
         y = self.coarse.matmul(rows).float()
@@ -510,7 +518,7 @@ def side_by_side(layers: Sequence[QuantizedLinear]) -> QuantizedLinear | None:
     bias = None
     if any(layer.bias is not None for layer in layers):
         parts = [torch.zeros(x.out_features) if x.bias is None else x.bias.detach().float() for x in layers]
-        bias = torch.cat(parts)
+        bias = nn.Parameter(torch.cat(parts), requires_grad=False)  # a parameter: it moves with the weights
     fused = type(first).from_kernel_buffers(buffers, first.in_features, first.group_size, bias)
     _point_at_parts(layers, buffers)
     return fused
@@ -536,9 +544,17 @@ class StackedLinears:
     names: tuple[str, ...]  # of the buffers, in the kernel's argument order
     buffers: tuple[torch.Tensor, ...]  # each [E, N / 16, ...]
     int4: bool
+    device_ops = None  # as a layer's (`_QuantizedLinear.device_ops`)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the grouped kernel takes rows x: fp32 rows on the CPU for specserve's CPU op, rows on the
+        buffers' device for the platform's."""
+        if x.dim() != 2:
+            return False
+        return kernels.rows_take(x) if self.device_ops is None else x.device == self.buffers[0].device
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.specserve
+        ops = torch.ops.specserve if self.device_ops is None else self.device_ops
         return (ops.int4_grouped_linear if self.int4 else ops.int8_grouped_linear)(x, counts, *self.buffers)
 
 
@@ -570,6 +586,24 @@ def stack_layers(parts: Sequence[QuantizedLinear | Fusion]) -> StackedLinears:
         if isinstance(part, Fusion):
             _point_at_parts(part.members, {name: getattr(layer, name) for name in names})
     return StackedLinears(names, tuple(stacked[name] for name in names), isinstance(layers[0], Int4Linear))
+
+
+def use_device_kernels(model: nn.Module, ops) -> None:
+    """Run `model`'s quantized layers (fused and stacked ones included) on the platform's kernels `ops`
+    (`_QuantizedLinear.device_ops`), which read specserve's kernel layout; a layer in torch's CPU form
+    instead is refused."""
+    for module in model.modules():
+        fusion = getattr(module, "fusion", None)
+        for layer in (module,) if fusion is None else (module, fusion.layer):
+            if isinstance(layer, _QuantizedLinear):
+                if not layer.on_kernel:
+                    raise SpecserveError(
+                        f"{type(layer).__name__} {layer.extra_repr()} is in torch's CPU int4 form, which "
+                        "only the CPU runs (specserve's kernels were not built, or its scales overflow fp16)"
+                    )
+                layer.device_ops = ops
+        for stack in getattr(module, "stacks", None) or ():
+            stack.device_ops = ops
 
 
 def group_size_for(in_features: int, out_features: int, wanted: int = DEFAULT_GROUP_SIZE) -> int | None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from specserve.layers.attention import KVCache
 from specserve.layers.metadata import ForwardMetadata, PieceIndex
+from specserve.layers.triton_dots import INTERPRETED, dot
 
 MAX_HEAD_DIM = 512  # Gemma 4's global layers
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,13 +74,13 @@ def kernel_constants(
         "CAUSAL": causal,
         "WINDOWED": sliding_window is not None,
         "SOFTCAPPED": logit_softcap is not None,
-        "WIDEN_DOTS": _INTERPRETED,
+        "WIDEN_DOTS": INTERPRETED,
     }
 
 
 def unsupported(q: torch.Tensor, cache: KVCache) -> str | None:
     """Why the kernel cannot attend q over this cache, or None when it can."""
-    if not _INTERPRETED and q.device.type != "cuda":
+    if not INTERPRETED and q.device.type != "cuda":
         return f"q is on {q.device}: the kernel runs on CUDA (CPU tensors only under TRITON_INTERPRET=1)"
     if not q.device == cache.k.device == cache.v.device:
         return "q and the cache are on different devices"
@@ -156,18 +156,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _dot(a, b, acc, WIDEN: tl.constexpr):
-    # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns, so it gets 16-bit operands
-    # in fp32: the same products (a bf16 or fp16 product is exact in fp32), summed in fp32 as the tensor
-    # cores do.
-    if WIDEN:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    # "ieee": fp32 operands keep fp32 products (the default rounds them to TF32); 16-bit ones ignore it
-    return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
 def _paged_attention_kernel(
     q, k_cache, v_cache, out,
     query_start, context_lens, tables, positions,
@@ -228,7 +216,7 @@ def _paged_attention_kernel(
             mask=in_sequence[None, :] & (d[:, None] < HEAD_DIM),
             other=0.0,
         )
-        scores = _dot(q_tile, k_tile, None, WIDEN_DOTS)
+        scores = dot(q_tile, k_tile, None, WIDEN_DOTS)
         if SOFTCAPPED:
             scores = _tanh(scores * (scale / softcap)) * softcap
         else:
@@ -245,14 +233,10 @@ def _paged_attention_kernel(
             mask=in_sequence[:, None] & (dv[None, :] < VALUE_DIM),
             other=0.0,
         )
-        acc = _dot(weights.to(v_tile.dtype), v_tile, acc * correction[:, None], WIDEN_DOTS)
+        acc = dot(weights.to(v_tile.dtype), v_tile, acc * correction[:, None], WIDEN_DOTS)
         running_max = new_max
 
     total = tl.where(live, total, 1.0)  # padding rows saw no key
     out_offsets = row[:, None] * out_row_stride + head[:, None] * out_head_stride + dv[None, :]
     out_mask = live[:, None] & (dv[None, :] < VALUE_DIM)
     tl.store(out + out_offsets, (acc / total[:, None]).to(out.dtype.element_ty), mask=out_mask)
-
-
-# Whether the kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)
-_INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction)

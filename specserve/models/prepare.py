@@ -40,7 +40,9 @@ from specserve.layers.quant import (
     fuse_projections,
     quantize_model,
     replace_module,
+    use_device_kernels,
 )
+from specserve.layers.weight_storage import move_storages, weight_tensors
 from specserve.models.weight_files import iter_checkpoint_tensors
 from specserve.platform import CPU, Platform
 
@@ -76,20 +78,27 @@ def prepare_model(
 def place(model: nn.Module, platform: Platform) -> nn.Module:
     """`model` (loaded, quantized, fused) made ready to run on `platform`; in place, returns `model`. The
     CPU: oneDNN-packed fp32 linears, the small ones on specserve's kernel (SPECSERVE_LINEAR=torch keeps
-    nn.Linear), on huge pages; the layers' kernels are the CPU's by default. CUDA: the weights on the GPU,
-    its kernels installed into every layer that has a seam for them (an attention layer's
-    `attention_backend`, a Gated DeltaNet layer's `delta_rule`, experts' `use_grouped_mm`)."""
+    nn.Linear), on huge pages; the layers' kernels are the CPU's by default. CUDA: the weights on the GPU
+    (each storage copied once, so that fused and stacked quantized layers still share theirs), its kernels
+    installed into every layer that has a seam for them (an attention layer's `attention_backend`, a Gated
+    DeltaNet layer's `delta_rule`, experts' `use_grouped_mm`, quantized layers' `device_ops`)."""
     if not platform.is_cuda:
         pack_linears(model)
         place_on_huge_pages(model)
         return model
+    from specserve.layers import triton_qlinear
     from specserve.layers.triton_attention import triton_paged_attention
 
-    model.to(platform.device)
+    elsewhere = [t for t in weight_tensors(model) if t.device != platform.device]
+    move_storages(elsewhere, lambda span: span.to(platform.device))
+    model.to(platform.device)  # what modules keep besides parameters and buffers (rotary tables)
+    use_device_kernels(model, triton_qlinear)
     for module in model.modules():
         if hasattr(module, "attention_backend"):
             module.attention_backend = triton_paged_attention
-        if hasattr(module, "use_grouped_mm") and platform.groups_on_device(module.weight_dtype):
+        # experts that would loop on the host (not stacked on the quantized kernels)
+        grouping = hasattr(module, "use_grouped_mm") and module.reads_host
+        if grouping and platform.groups_on_device(module.weight_dtype):
             module.use_grouped_mm()  # experts without a host loop (layers/moe.py)
     use_delta_rule(model, platform.delta_rule)
     return model

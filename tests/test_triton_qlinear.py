@@ -1,0 +1,176 @@
+"""The int4 / int8 linears on CUDA (layers/triton_qlinear.py) against the weights the CPU computes with, dense
+and grouped (stacked experts); the layers and a mixture-of-experts layer switched onto them; the platform's
+move of a quantized model's weights, which keeps fused and stacked layers sharing their storage. The kernel
+is compiled where CUDA is; elsewhere it runs on CPU tensors in Triton's interpreter (conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from specserve.config import SpecserveError  # noqa: E402
+from specserve.layers import kernels, triton_qlinear  # noqa: E402
+from specserve.layers.quant import (  # noqa: E402
+    Int4Linear,
+    Int8Linear,
+    pack_groups,
+    pack_int4_codes,
+    pack_int4_scales,
+    pack_int8_codes,
+    quantize_int4,
+    use_device_kernels,
+)
+from specserve.layers.weight_storage import move_storages, weight_tensors  # noqa: E402
+from specserve.models.loader import load_model  # noqa: E402
+from tests.test_kernels import random_int4, random_int8  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.kernel_agnostic] + ([pytest.mark.gpu] if DEVICE == "cuda" else [])
+N = 48  # three tiles of 16 outputs: less than one program's 64 columns
+
+
+def layer(kind: str, k: int, group: int, seed: int = 0, bias: bool = True):
+    """A layer in specserve's kernel layout, built without the CPU kernels (the interpreter needs none)."""
+    b = torch.randn(N, generator=torch.Generator().manual_seed(seed)) if bias else None
+    if kind == "int4":
+        w = random_int4(N, k, group, seed)
+        groups, supers = pack_int4_scales(w)
+        buffers = {"packed": pack_int4_codes(w.q), "scales": groups, "supers": supers}
+        return Int4Linear.from_kernel_buffers(buffers, k, group, b)
+    q, scales = random_int8(N, k, group, seed)
+    buffers = {"packed": pack_int8_codes(q), "scales": pack_groups(scales)}
+    return Int8Linear.from_kernel_buffers(buffers, k, group, b)
+
+
+def buffers(linear, device=DEVICE) -> list[torch.Tensor]:
+    return [getattr(linear, name).to(device) for name in linear.KERNEL_BUFFERS]
+
+
+def reference(x: torch.Tensor, linear) -> torch.Tensor:
+    """fp32 x @ w.T + bias with the layer's weight rounded to x's dtype, as the kernel multiplies it."""
+    w = linear.weight.to(x.dtype).float()
+    y = x.float().cpu() @ w.T
+    return y if linear.bias is None else y + linear.bias.float()
+
+
+def assert_close(y: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 sums in another order, then one rounding to y's dtype: half a step, at most 2^-8 of the value
+    in bf16."""
+    half_step = 2.0**-24 if y.dtype == torch.float32 else 2.0**-8
+    y = y.float().cpu()
+    bound = half_step * expected.abs() + 1e-5 * expected.abs().max()
+    assert ((y - expected).abs() <= bound).all(), (y - expected).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_computes_the_layers_weight(kind, group, dtype):
+    """Every byte value of codes, sub-scales, signed sub-minimums and super-block scales; K / G not a
+    multiple of a super-block's 8 groups; rows in one program and in several."""
+    linear = layer(kind, 5 * 64, group)
+    run = triton_qlinear.int4_linear if kind == "int4" else triton_qlinear.int8_linear
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, linear.in_features).to(DEVICE, dtype)
+        y = run(x, *buffers(linear), linear.bias.to(DEVICE))
+        assert y.dtype == dtype and y.shape == (rows, N)
+        assert_close(y, reference(x, linear))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_grouped_call_gives_each_layers_rows_its_own_result(kind):
+    """Rows sorted by layer through stacked buffers, a layer without rows among them: each row as its
+    layer's own dense call computes it."""
+    layers = [layer(kind, 128, 32, seed, bias=False) for seed in range(3)]
+    stacked = [torch.stack(parts) for parts in zip(*(buffers(x) for x in layers), strict=True)]
+    counts = torch.tensor([2, 0, 5], device=DEVICE)
+    x = torch.randn(7, 128, device=DEVICE)
+    run = triton_qlinear.int4_grouped_linear if kind == "int4" else triton_qlinear.int8_grouped_linear
+    y = run(x, counts, *stacked)
+    dense = triton_qlinear.int4_linear if kind == "int4" else triton_qlinear.int8_linear
+    for linear, rows in zip(layers, (slice(0, 2), slice(2, 2), slice(2, 7)), strict=True):
+        torch.testing.assert_close(y[rows], dense(x[rows], *buffers(linear)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_layer_on_device_kernels_keeps_its_input_shape_and_dtype(kind):
+    linear = layer(kind, 128, 32)
+    use_device_kernels(linear, triton_qlinear)
+    linear.to(DEVICE)
+    x = torch.randn(2, 3, 128).to(DEVICE, torch.bfloat16)
+    y = linear(x)
+    assert y.shape == (2, 3, N) and y.dtype == torch.bfloat16
+    assert_close(y.reshape(6, N), reference(x.reshape(6, 128), linear))
+
+
+def test_a_layer_in_torchs_cpu_form_is_refused():
+    from specserve.layers.quant import DEFAULT_GROUP_SIZE
+
+    linear = Int4Linear(quantize_int4(torch.randn(N, 64), DEFAULT_GROUP_SIZE), use_kernel=False)
+    with pytest.raises(SpecserveError, match="torch's CPU int4 form"):
+        use_device_kernels(torch.nn.Sequential(linear), triton_qlinear)
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    kernels.ops() is None, reason="quantized models take specserve's kernel layout where its kernels build"
+)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_moe_layer_on_device_kernels_groups_as_it_loops(tiny_model_dir, mode):
+    """A quantized Qwen3-MoE's experts, stacked, in the device's grouped calls: each token's output as the
+    experts one by one on the same kernel give it."""
+    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")), quantization=mode)
+    use_device_kernels(model, triton_qlinear)
+    experts = next(m for m in model.modules() if getattr(m, "stacks", None))
+    model.to(DEVICE)
+    hidden = experts[0].down_proj.out_features
+    x = torch.randn(6, hidden, device=DEVICE)
+    ids = torch.stack([torch.randperm(len(experts))[:2] for _ in range(6)]).to(DEVICE)
+    weights = torch.rand(6, 2, device=DEVICE)
+    grouped = experts(x, weights, ids)
+    stacks, experts.stacks = experts.stacks, None  # the loop over experts, each layer alone
+    looped = experts(x, weights, ids)
+    experts.stacks = stacks
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
+
+
+@needs_cpu_kernels
+def test_moving_the_weights_keeps_fused_and_stacked_layers_sharing_storage(tiny_model_dir):
+    """Each storage is copied once (a copy per storage, not per tensor: the memory is not doubled), the
+    stacks' own references move with the registered buffers, and the model computes what it did."""
+    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")), quantization="int4")
+    experts = next(m for m in model.modules() if getattr(m, "stacks", None))
+    fusion = experts[0].gate_proj.fusion
+    x = torch.randn(6, experts[0].down_proj.out_features)
+    ids = torch.stack([torch.randperm(len(experts))[:2] for _ in range(6)])
+    weights = torch.rand(6, 2)
+    before = experts(x, weights, ids)
+
+    def storages() -> dict[int, int]:
+        return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in weight_tensors(model)}
+
+    old = storages()
+    move_storages(list(weight_tensors(model)), torch.clone)
+    new = storages()
+    assert not set(old) & set(new) and len(new) == len(old)
+    assert sum(new.values()) <= sum(old.values())
+    shared = experts[0].gate_proj.packed.untyped_storage()._cdata
+    assert fusion.layer.packed.untyped_storage()._cdata == shared
+    assert experts.stacks[0].buffers[0].untyped_storage()._cdata == shared
+    assert all(t.untyped_storage()._cdata in new for stack in experts.stacks for t in stack.buffers)
+    assert torch.equal(experts(x, weights, ids), before)
+
+
+def test_a_view_moves_with_the_span_it_uses_only():
+    big = torch.arange(4096, dtype=torch.float32)
+    view = big[1000:1010]
+    neighbour = big[1005:1020].view(torch.int32)  # another dtype on the same storage
+    move_storages([view, neighbour], torch.clone)
+    assert view.untyped_storage()._cdata == neighbour.untyped_storage()._cdata
+    assert view.untyped_storage().nbytes() <= 20 * 4 + 16
+    assert torch.equal(view, torch.arange(1000, 1010, dtype=torch.float32))
+    assert torch.equal(neighbour.view(torch.float32), torch.arange(1005, 1020, dtype=torch.float32))
