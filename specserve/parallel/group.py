@@ -11,10 +11,10 @@ a worker waits for the next step as long as the engine is idle. A command's tens
 host and land on the receiving rank's device. Collectives run on a group of the platform's backend (gloo on
 the CPU, NCCL over each rank's GPU on CUDA: `Platform.collective_backend`), opened once the `load` command
 has said where the ranks run, with `timeout_s`: on gloo a peer that died or hangs ends the step with
-`TensorParallelError` instead of a hang. NCCL's collectives are asynchronous: the timeout is enforced by
+`TensorParallelError` instead of a hang. NCCL's collectives are asynchronous: their timeout is enforced by
 torch's watchdog thread, which tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) rather
-than raising in the step; a worker that died between steps still ends the next step's command broadcast,
-on gloo, with `TensorParallelError` (docs/tensor-parallel.md).
+than raising in the step; a worker that died between steps should still fail the next step's command
+broadcast, on gloo, with `TensorParallelError` (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
