@@ -71,7 +71,8 @@ class TensorParallelGroup:
         self.handlers: dict[str, Callable] = {}
         self.in_command = shard.rank != 0  # a worker only ever runs inside a command
         self.shut_down = False  # `shutdown` was sent (driver) or received (worker)
-        self.device = torch.device("cpu")  # this rank's, and the collectives' group: `open_collectives`
+        # This rank's device and the group of the collectives, both set by `open_collectives`.
+        self.device = torch.device("cpu")
         self.collectives: dist.ProcessGroup | None = None
         # What crosses ranks, counted on this rank: pickled command bytes the driver broadcast, and the
         # bytes of the tensors it entered into all-reduces and all-gathers (each rank's own share).
