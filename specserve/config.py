@@ -314,8 +314,9 @@ class EngineConfig:
 
     def _choose_platform(self) -> None:
         """`platform` (specserve/platform.py) and why. "auto" takes CUDA where torch sees a GPU, unless the
-        settings ask for what runs on the CPU alone (int4 / int8 weights, tensor parallelism): then the CPU.
-        A device named outright that cannot run the settings is an error that says what to change."""
+        settings ask for what runs on the CPU alone (more ranks than GPUs; int4 / int8 weights where
+        specserve's CPU kernels do not build): then the CPU. A device named outright that cannot run the
+        settings is an error that says what to change."""
         from specserve.platform import CPU, check_device, resolve_platform
 
         self.platform = resolve_platform(self.device)

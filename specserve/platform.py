@@ -4,7 +4,9 @@
 "cpu"; "cuda" or "cuda:N") into a `Platform` that the rest of the engine asks instead of testing the
 device itself: where tensors live, the dtype "auto" stands for, which kernels attend over the paged cache
 and run the Gated DeltaNet recurrence (models/prepare.py's `place` puts them into a model's layers), what
-does not run there yet (`refusals`), and whether steps may replay CUDA graphs (`captures_graphs`).
+does not run there yet (`refusals`), whether steps may replay CUDA graphs (`captures_graphs`), and where
+each rank of a tensor-parallel model runs and how the ranks exchange tensors (`of_rank`,
+`collective_backend`).
 
 On the CPU everything is as it always was: specserve's compiled kernels where they build (or torch's
 fallbacks). On CUDA, attention and the int4 / int8 linears are specserve's Triton kernels
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from specserve.errors import SpecserveError
 from specserve.layers import kernels
+from specserve.parallel.node import local_world_size
 
 AUTO_DEVICE_ENV = "SPECSERVE_AUTO_DEVICE"
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -50,6 +53,24 @@ class Platform:
         """Whether decode and verification steps may replay captured CUDA graphs (worker/cuda_graphs.py)."""
         return self.is_cuda
 
+    @property
+    def collective_backend(self) -> str:
+        """torch.distributed's backend for the tensors a tensor-parallel forward exchanges (parallel/)."""
+        return "nccl" if self.is_cuda else "gloo"
+
+    def of_rank(self, local_rank: int) -> Platform:
+        """The platform of tensor-parallel rank `local_rank` of this node, this one being rank 0's (the device
+        asked for). On CUDA every rank has a GPU of its own, counting from that one (`device="cuda:1"`, two
+        ranks: cuda:1 and cuda:2; `refusals` checks that torch sees them); the CPU's cores are shared."""
+        if not self.is_cuda:
+            return self
+        return replace(self, device=torch.device("cuda", self.device.index + local_rank))
+
+    def make_current(self) -> None:
+        """Make this GPU the process's current device: NCCL's communicators and Triton's launches use it."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+
     def auto_dtype(self, quantization: str | None) -> tuple[str, str]:
         """(the dtype "auto" stands for here, why)."""
         if self.is_cuda:
@@ -73,8 +94,10 @@ class Platform:
         if quantization is not None and kernels.ops() is None:
             # layers are quantized on the host into specserve's kernel layout, which its CPU build provides
             refused.append(f"quantization {quantization!r} without specserve's CPU kernels (see the log)")
-        if tensor_parallel_size > 1:
-            refused.append("tensor parallelism")  # its process groups are gloo's
+        first, count = self.device.index, torch.cuda.device_count()
+        last = first + local_world_size(tensor_parallel_size) - 1  # a GPU a rank of this node (`of_rank`)
+        if tensor_parallel_size > 1 and last >= count:
+            refused.append(f"tensor parallelism over cuda:{first} to cuda:{last} (torch sees {count} GPU(s))")
         return refused
 
 

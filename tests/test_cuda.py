@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from specserve import LLM, SamplingParams
 from specserve.layers import kernels
@@ -23,6 +24,7 @@ from tests.test_lossless import (  # noqa: F401 (models, drafters: fixtures)
     models,
     sampled_joint,
 )
+from tests.tiny_models import save_tiny_drafter
 
 pytestmark = [
     pytest.mark.kernel_agnostic,
@@ -159,3 +161,26 @@ def test_a_decode_step_synchronizes_once_whatever_the_batch(tiny_model_dir, reco
     one, eight = _syncs_per_decode_step(model, 1), _syncs_per_decode_step(model, 8)
     record_property("syncs_per_step", (one, eight))
     assert one == eight <= 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism on CUDA needs two GPUs")
+def test_tensor_parallel_over_two_gpus_equals_one_gpu(tiny_model_dir, tmp_path):
+    """TP=2 on cuda:0 and cuda:1 (NCCL collectives; with DSpark, the target's split embedding and head called
+    by the drafter as commands, its tensors sent through the host) against TP=1 on cuda:0, greedy. fp32 and
+    eager both: the partial sums and cuBLAS's batch-dependent GEMMs change the rounding only, far below the
+    tiny random model's logit gaps."""
+    model = str(tiny_model_dir("qwen3"))
+    common = dict(device="cuda", dtype="float32", enforce_eager=True, kv_cache_memory="256MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(40, 70)), [3, 4, 5, 6] * 6]
+    single = [o.outputs[0].token_ids for o in LLM(model, **common).generate(prompts, params)]
+    dspark = {"method": "dspark", "model": str(save_tiny_drafter(model, tmp_path / "dspark", std=0.2))}
+    for spec in (None, dspark):
+        llm = LLM(model, tensor_parallel_size=2, speculative_config=spec, **common)
+        try:
+            group = llm.engine.parallel.group
+            assert dist.get_backend(group.collectives) == "nccl" and group.device == torch.device("cuda", 0)
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == single, spec
+            assert spec is None or llm.engine.spec_stats.num_drafts > 0
+        finally:
+            llm.engine.close()

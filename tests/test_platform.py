@@ -15,6 +15,7 @@ from specserve.config import EngineConfig, SpecserveError
 from specserve.layers import kernels
 from specserve.layers.transfer import to_device, to_host
 from specserve.models.loader import load_model
+from specserve.parallel.node import local_rank
 from specserve.platform import CPU, Platform, check_device, resolve_platform
 from specserve.worker.cuda_graphs import GraphConfig
 from specserve.worker.model_runner import ModelRunner, PieceInput
@@ -79,8 +80,6 @@ def test_cuda_computes_in_bf16_and_refuses_what_it_cannot_run_yet(two_gpus):
     assert EngineConfig(model="m", device="cuda", dtype="float32").dtype == "float32"
     assert EngineConfig(model="m", device="cuda", quantization="int4").quantization == "int4"
     assert EngineConfig(model="m", device="cuda", dtype="fp16").dtype == "float16"
-    with pytest.raises(SpecserveError, match=r"tensor parallelism .* \(--device cpu\)"):
-        EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
@@ -103,9 +102,35 @@ def test_quantization_on_cuda_needs_the_cpu_kernels_that_lay_its_weights_out(two
 
 
 def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):
-    config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
+    config = EngineConfig(model="m", quantization="int8", tensor_parallel_size=3)
     assert config.platform is CPU
-    assert config.device_reason == "auto: tensor parallelism run on the CPU only"
+    assert config.device_reason == (
+        "auto: tensor parallelism over cuda:0 to cuda:2 (torch sees 2 GPU(s)) run on the CPU only"
+    )
+
+
+def test_tensor_parallel_ranks_exchange_tensors_over_nccl_on_cuda_and_gloo_on_the_cpu():
+    assert CPU.collective_backend == "gloo"
+    assert Platform(torch.device("cuda", 0), "fla").collective_backend == "nccl"
+
+
+def test_each_tensor_parallel_rank_has_a_gpu_of_its_own_from_the_device_asked_for(two_gpus):
+    cuda1 = Platform(torch.device("cuda", 1), "fla")
+    assert [cuda1.of_rank(r).device for r in range(3)] == [torch.device("cuda", i) for i in (1, 2, 3)]
+    assert cuda1.of_rank(2).delta_rule == "fla" and CPU.of_rank(3) is CPU  # the CPU's cores are shared
+    config = EngineConfig(model="m", device="cuda", tensor_parallel_size=2)
+    assert config.platform.device == torch.device("cuda", 0)
+    with pytest.raises(SpecserveError, match=r"over cuda:1 to cuda:2 \(torch sees 2 GPU\(s\)\) do\(es\) not"):
+        EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
+    with pytest.raises(SpecserveError, match=r"over cuda:0 to cuda:3 \(torch sees 2"):
+        EngineConfig(model="m", device="cuda", tensor_parallel_size=4)
+
+
+def test_with_a_launcher_a_node_needs_gpus_for_its_own_ranks_only(two_gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 nodes of 2 ranks each
+    assert EngineConfig(model="m", device="cuda", tensor_parallel_size=4).platform.is_cuda
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert Platform(torch.device("cuda", 0), "fla").of_rank(local_rank(3)).device == torch.device("cuda", 1)
 
 
 def test_the_caches_budget_is_measured_on_a_gpu_and_given_on_the_cpu(two_gpus):

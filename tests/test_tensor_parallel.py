@@ -18,10 +18,13 @@ import transformers
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpecserveError
+from specserve.local_port import free_local_port
 from specserve.models.loader import load_hf_config
 from specserve.models.registry import build_model, model_class
 from specserve.models.sharding import Shard, WeightShard, full_parameter_shapes, shard_config
-from specserve.parallel.group import TensorParallelError
+from specserve.parallel import worker
+from specserve.parallel.group import TensorParallelError, TensorParallelGroup
+from specserve.platform import CPU, Platform
 from tests.server_harness import REPO_ROOT, make_client, serve_process
 from tests.tiny_models import (
     build_reference,
@@ -173,6 +176,74 @@ def test_a_kv_head_shared_by_two_ranks_is_the_one_their_query_heads_read():
         local = build_model(shard_config(config, 4))
         cut = WeightShard(Shard(rank, 4), shapes, local).cut("model.layers.0.self_attn.k_proj.weight", k)
         assert torch.equal(cut, k[(rank // 2) * 8 : (rank // 2 + 1) * 8])
+
+
+# ---- where the ranks run (CUDA's placement, checked on the CPU) -----------------------------------------
+
+
+class _WorkerGroup:
+    """A worker's group that receives `commands` from a driver that is not there, and records what the
+    worker opened its collectives on."""
+
+    def __init__(self, shard, commands):
+        self.shard, self.commands, self.opened = shard, list(commands), []
+
+    def receive(self):
+        return self.commands.pop(0)
+
+    def open_collectives(self, platform):
+        self.opened.append(platform)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("launcher_local_rank", [None, "0"])
+def test_a_worker_loads_its_shard_on_its_own_gpu(monkeypatch, launcher_local_rank):
+    """The driver sends its platform (cuda:1) with `load`; worker rank 1 of 2 runs on the next GPU, cuda:2,
+    or on cuda:1 where a launcher says it is the first rank of its node."""
+    if launcher_local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", launcher_local_rank)
+    load = {"model": "m", "dtype": torch.float32, "platform": Platform(torch.device("cuda", 1), "fla")}
+    commands = [("load", {**load, "threads": torch.get_num_threads()}), ("shutdown", ())]
+    group = None
+
+    def make_group(shard, init_method, timeout_s):
+        nonlocal group
+        group = _WorkerGroup(shard, commands)
+        return group
+
+    loaded = []
+    monkeypatch.setattr(worker, "TensorParallelGroup", make_group)
+    monkeypatch.setattr(worker, "load_model", lambda **kw: loaded.append(kw) or ("model", None, None))
+    monkeypatch.setattr(worker, "install_collectives", lambda model, group: None)
+    worker.run_worker(Shard(1, 2), "tcp://driver", 1.0)
+    expected = Platform(torch.device("cuda", 2 if launcher_local_rank is None else 1), "fla")
+    assert group.opened == [expected]
+    assert loaded == [{"model": "m", "dtype": torch.float32, "platform": expected, "shard": Shard(1, 2)}]
+
+
+def test_a_commands_tensors_cross_on_the_host_and_land_on_the_ranks_device(monkeypatch):
+    """A drafter calls the shared head with its hidden states on the driver's GPU: they are sent from the
+    host, and each worker computes on its own device (torch's meta device stands in for a worker's GPU)."""
+    group = TensorParallelGroup(Shard(0, 1), f"tcp://127.0.0.1:{free_local_port()}", 10.0)
+    try:
+        group.open_collectives(CPU)
+        sent, seen = [], []
+        monkeypatch.setattr(group, "send", sent.append)
+        group.handlers["head"] = lambda x, rows: seen.append(x.device)
+        group.run("head", torch.ones(2, 3), [1])
+        assert sent[0][0] == "head" and sent[0][1][0].device.type == "cpu" and sent[0][1][1] == [1]
+        assert torch.equal(group.all_reduce(torch.ones(2)), torch.ones(2))  # the collectives' group works
+        group.device = torch.device("meta")  # a worker's, as `open_collectives` set it
+        commands = [sent[0], ("shutdown", ())]
+        monkeypatch.setattr(group, "receive", lambda: commands.pop(0))
+        group.serve()
+        assert seen == [torch.device("cpu"), torch.device("meta")]
+    finally:
+        group.close()
 
 
 # ---- end to end, 2 processes ------------------------------------------------------------------------

@@ -66,12 +66,16 @@ class LLMEngine:
         """Both configurations come validated (`from_args` parses and checks a user's)."""
         _freeze_import_heap()
         self.config = config
+        config.platform.make_current()  # "cuda:1": Triton launches its kernels on the current GPU
         self.model_dir = resolve_model(
             config.model, revision=config.revision, need_weights=config.load_format != "dummy"
         )
         # Tensor parallelism: worker ranks load their shards while this process (rank 0) loads its own.
         split = config.tensor_parallel_size > 1
         self.parallel = TensorParallelExecutor(config.tensor_parallel_size) if split else None
+        # Split, every forward runs eagerly, the drafters' too: the workers run each step's command with the
+        # driver, and a replayed graph (a drafter's calling the shared embedding or head) would skip them.
+        self.enforce_eager = config.enforce_eager or split
         try:
             self._build(config, speculative_config)
         except BaseException:
@@ -99,17 +103,15 @@ class LLMEngine:
         layout = cache_layout(self.model, config.block_size, config.torch_dtype, drafter_spec)
         budget, budget_text = config.kv_cache_bytes, f"kv_cache_memory={config.kv_cache_memory!r}"
         rows_per_piece = 1 + (spec.num_draft_tokens if spec is not None else 0)
-        graphs = None
-        if self.parallel is None:  # (tensor parallelism is CPU-only)
-            graphs = graph_config(
-                config.platform,
-                config.enforce_eager,
-                self.model,
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
-                rows_per_piece,
-                -(-self.max_model_len // config.block_size) + 1,  # a verification's slack block included
-            )
+        graphs = graph_config(
+            config.platform,
+            self.enforce_eager,
+            self.model,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            rows_per_piece,
+            -(-self.max_model_len // config.block_size) + 1,  # a verification's slack block included
+        )
         if budget is None:  # on a GPU: what gpu_memory_utilization leaves after weights and activations
             rows = config.max_num_seqs * rows_per_piece  # a full decode batch: every verification's rows
             activations = lm_activation_bytes(
@@ -132,7 +134,7 @@ class LLMEngine:
             )
         # The scratch block of each paged cache whose steps may replay graphs (the target's, the drafter's)
         scratch = layout.kv_bytes_per_block if graphs is not None else 0
-        if config.platform.captures_graphs and not config.enforce_eager:
+        if config.platform.captures_graphs and not self.enforce_eager:
             scratch += sum(spec.bytes_per_block for spec in layout.drafter.paged)
         plan = plan_cache_memory(
             layout,
@@ -185,7 +187,7 @@ class LLMEngine:
             generator=self.generator,
             platform=self.config.platform,
             load_format=self.config.load_format,
-            enforce_eager=self.config.enforce_eager,
+            enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
 

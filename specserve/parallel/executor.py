@@ -1,7 +1,7 @@
 """The driver's side of tensor parallelism: start the worker ranks, and run the target's runner on all.
 
 One node: the engine starts `python -m specserve.parallel.worker` once per extra rank (a fresh interpreter,
-so a user's script is never re-run) and they meet over gloo on a free local port. Several nodes: the
+so a user's script is never re-run) and they meet on a free local port. Several nodes: the
 processes come from `torchrun` (or any launcher that sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE); rank 0
 runs the engine and every other rank the worker loop (docs/tensor-parallel.md).
 
@@ -27,6 +27,7 @@ from specserve.local_port import free_local_port
 from specserve.models.sharding import Shard
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
 from specserve.parallel.install import install_collectives
+from specserve.parallel.node import local_world_size
 from specserve.worker.model_runner import ForwardOutput, ModelRunner, PieceInput, PromptScoring
 
 TIMEOUT_ENV = "SPECSERVE_TP_TIMEOUT"
@@ -51,8 +52,7 @@ def launched_by_torchrun() -> bool:
 
 def threads_per_rank(world_size: int) -> int:
     """Ranks on one node share its cores: each takes its share of the driver's torch threads."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return max(1, torch.get_num_threads() // max(1, local))
+    return max(1, torch.get_num_threads() // max(1, local_world_size(world_size)))
 
 
 class ShardedRunner:
@@ -126,7 +126,8 @@ class TensorParallelExecutor:
     def _spawn(self, rank: int, init_method: str, timeout: float) -> subprocess.Popen:
         command = [sys.executable, "-m", "specserve.parallel.worker", "--rank", str(rank)]
         command += ["--world-size", str(self.world_size), "--init-method", init_method]
-        return subprocess.Popen(command, env={**os.environ, TIMEOUT_ENV: str(timeout)})
+        env = {**os.environ, TIMEOUT_ENV: str(timeout), "LOCAL_RANK": str(rank)}  # all on this node
+        return subprocess.Popen(command, env=env)
 
     def worker_report(self) -> str:
         """Which local workers have exited (with their codes), for error messages. A killed rank's sockets
@@ -143,8 +144,10 @@ class TensorParallelExecutor:
         return f" ({'; '.join(dead)}; its log is above)" if dead else ""
 
     def load(self, **load_args) -> None:
-        """Workers load their shards (`load_model` arguments) while the driver loads its own."""
+        """Workers load their shards (`load_model` arguments; its `platform` is the driver's, each worker's
+        its own: `Platform.of_rank`) while the driver loads its own."""
         self.group.send(("load", {**load_args, "threads": torch.get_num_threads()}))
+        self.group.open_collectives(load_args["platform"])
 
     def runner(
         self, model, num_blocks: int, block_size: int, dtype: torch.dtype, num_slots: int

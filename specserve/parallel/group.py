@@ -6,10 +6,15 @@ positions, block tables) to the workers, then runs it itself; each worker's loop
 runs the same handler, so all ranks meet at the same collectives. Tensors cross ranks only inside a
 forward: an all-reduce of each block's [tokens, hidden] output and a gather of the logits rows asked for.
 
-Two gloo groups: commands travel on one whose timeout is effectively infinite (a worker waits for the next
-step as long as the engine is idle), collectives on one with `timeout_s`, so a peer that died or hangs ends
-the step with `TensorParallelError` instead of a hang. (The engine runs on CPU; on CUDA the collectives
-would go to NCCL.)
+Commands travel on a gloo group (small pickled objects from the host) whose timeout is effectively infinite:
+a worker waits for the next step as long as the engine is idle. A command's tensor arguments cross on the
+host and land on the receiving rank's device. Collectives run on a group of the platform's backend (gloo on
+the CPU, NCCL over each rank's GPU on CUDA: `Platform.collective_backend`), opened once the `load` command
+has said where the ranks run, with `timeout_s`: on gloo a peer that died or hangs ends the step with
+`TensorParallelError` instead of a hang. NCCL's collectives are asynchronous: their timeout is enforced by
+torch's watchdog thread, which tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) rather
+than raising in the step; a worker that died between steps should still fail the next step's command
+broadcast, on gloo, with `TensorParallelError` (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch.distributed as dist
 
 from specserve.config import SpecserveError
 from specserve.models.sharding import Shard
+from specserve.platform import Platform
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a worker waits for its next command
 
@@ -65,6 +71,9 @@ class TensorParallelGroup:
         self.handlers: dict[str, Callable] = {}
         self.in_command = shard.rank != 0  # a worker only ever runs inside a command
         self.shut_down = False  # `shutdown` was sent (driver) or received (worker)
+        # This rank's device and the group of the collectives, both set by `open_collectives`.
+        self.device = torch.device("cpu")
+        self.collectives: dist.ProcessGroup | None = None
         # What crosses ranks, counted on this rank: pickled command bytes the driver broadcast, and the
         # bytes of the tensors it entered into all-reduces and all-gathers (each rank's own share).
         self.command_bytes = 0
@@ -84,18 +93,28 @@ class TensorParallelGroup:
     def is_driver(self) -> bool:
         return self.shard.rank == 0
 
+    @_collective("opening the collectives' group")
+    def open_collectives(self, platform: Platform) -> None:
+        """Every rank, once it knows its platform (the `load` command): the group of the collectives, on the
+        platform's backend. This rank's GPU becomes the current device first, the one NCCL's communicator
+        and Triton's kernels use."""
+        platform.make_current()
+        self.device = platform.device
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.collectives = dist.new_group(backend=platform.collective_backend, timeout=timeout)
+
     # ---- collectives (inside a forward) -------------------------------------------------------------
     @_collective("all-reduce")
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.collective_bytes += t.numel() * t.element_size()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.collectives)
         return t
 
     @_collective("all-gather")
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         self.collective_bytes += t.numel() * t.element_size()
         parts = [torch.empty_like(t) for _ in range(self.shard.world_size)]
-        dist.all_gather(parts, t.contiguous())
+        dist.all_gather(parts, t.contiguous(), group=self.collectives)
         return parts
 
     # ---- commands ---------------------------------------------------------------------------------------
@@ -104,7 +123,7 @@ class TensorParallelGroup:
         handler = self.handlers[name]
         if self.in_command:  # already inside one (the LM head inside a forward)
             return handler(*args)
-        self.send((name, args))
+        self.send((name, _moved(args, torch.device("cpu"))))
         self.in_command = True
         try:
             return handler(*args)
@@ -137,7 +156,7 @@ class TensorParallelGroup:
             name, args = self.receive()
             if name == "shutdown":
                 return
-            self.handlers[name](*args)
+            self.handlers[name](*_moved(args, self.device))
 
     def close(self) -> None:
         """Leave the group. After a clean `shutdown` every rank first meets at a barrier: a rank that tore its
@@ -154,3 +173,10 @@ class TensorParallelGroup:
     @_collective("shutdown barrier")
     def _farewell(self) -> None:
         dist.barrier()
+
+
+def _moved(args: tuple, device: torch.device) -> tuple:
+    """A command's arguments with its tensors (a drafter's ids or hidden states for the shared embedding or
+    head) on `device`: pickled on the host, used on the receiving rank's device (a pickled GPU tensor would
+    come back on the sender's GPU)."""
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)

@@ -1,4 +1,5 @@
-"""A tensor-parallel worker rank: join the group, load this rank's shard, run the driver's commands.
+"""A tensor-parallel worker rank: join the group, load this rank's shard on its device, run the driver's
+commands.
 
 Started by the engine (`--rank`, `--world-size`, `--init-method`) or by a launcher such as torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment). It exits when the driver says `shutdown` or goes
@@ -19,6 +20,7 @@ from specserve.models.sharding import Shard
 from specserve.parallel.executor import ShardedRunner, collective_timeout
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
 from specserve.parallel.install import install_collectives
+from specserve.parallel.node import local_rank
 from specserve.worker.model_runner import ModelRunner
 
 
@@ -29,7 +31,9 @@ def run_worker(shard: Shard, init_method: str, timeout_s: float) -> None:
         if load_args is None:
             return
         torch.set_num_threads(load_args.pop("threads"))
-        model, _, _ = load_model(**load_args, shard=shard)
+        platform = load_args.pop("platform").of_rank(local_rank(shard.rank))  # the driver's: rank 0's
+        group.open_collectives(platform)
+        model, _, _ = load_model(**load_args, platform=platform, shard=shard)
         install_collectives(model, group)
         runner_args = _expect(group, "runner")
         if runner_args is None:
