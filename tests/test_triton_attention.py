@@ -5,11 +5,7 @@ an interpreted kernel cannot call tl.* helpers decorated for compiling when trit
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ triton = pytest.importorskip("triton")
 from specserve.layers import triton_attention  # noqa: E402
 from specserve.layers.attention import KVCache, sdpa_paged_attention  # noqa: E402
 from specserve.layers.metadata import ForwardMetadata  # noqa: E402
+from tests.h100_compile import H100_SHARED_MEMORY, run_uninterpreted, shared_memory_for_h100  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.kernel_agnostic] + (
@@ -164,38 +161,19 @@ COMPILED = [
     ("bf16", 512, 8, 512, 30.0, False),
     ("fp16", 128, 8, None, None, True),
 ]
-H100_SHARED_MEMORY = 227 * 1024  # per block
 
 
 def print_shared_memory_compiled_for_h100() -> None:
-    """Compile the kernel for an H100 (sm_90; no GPU needed) in each COMPILED config and print the shared
-    memory it needs. Triton must have been imported without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = triton_attention._paged_attention_kernel
+    """The shared memory each COMPILED config needs on an H100, printed (tests/h100_compile.py)."""
     for dtype, head_dim, group, window, softcap, causal in COMPILED:
         constants = triton_attention.kernel_constants(head_dim, head_dim, group, window, softcap, causal)
         types = dict.fromkeys(["q", "k_cache", "v_cache", "out"], f"*{dtype}")
         types |= dict.fromkeys(["query_start", "context_lens", "tables", "positions"], "*i32")
         types |= {"scale": "fp32", "softcap": "fp32"}
-        signature = {
-            name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names
-        }
-        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-        print(compiled.metadata.shared)
+        print(shared_memory_for_h100(triton_attention._paged_attention_kernel, types, constants))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the tests above compile it for this GPU")
 def test_the_kernel_compiles_for_an_h100():
-    """What the interpreter never checks: Triton's compile-time rules (a kernel it runs may not compile)
-    and the shared memory of the tile shapes. In a process of its own, where triton is not interpreted."""
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton has no CUDA backend")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = "from tests.test_triton_attention import print_shared_memory_compiled_for_h100 as p; p()"
-    root = Path(__file__).parents[1]
-    run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-4000:]
-    shared = [int(line) for line in run.stdout.split()]
+    shared = run_uninterpreted("tests.test_triton_attention:print_shared_memory_compiled_for_h100")
     assert len(shared) == len(COMPILED) and max(shared) <= H100_SHARED_MEMORY, shared

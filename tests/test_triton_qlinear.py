@@ -24,6 +24,7 @@ from specserve.layers.quant import (  # noqa: E402
 )
 from specserve.layers.weight_storage import move_storages, weight_tensors  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
+from tests.h100_compile import H100_SHARED_MEMORY, run_uninterpreted, shared_memory_for_h100  # noqa: E402
 from tests.test_kernels import random_int4, random_int8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,6 +112,34 @@ def test_a_layer_in_torchs_cpu_form_is_refused():
     linear = Int4Linear(quantize_int4(torch.randn(N, 64), DEFAULT_GROUP_SIZE), use_kernel=False)
     with pytest.raises(SpecserveError, match="torch's CPU int4 form"):
         use_device_kernels(torch.nn.Sequential(linear), triton_qlinear)
+
+
+# (int4, grouped, bias, group size, rows a program): decode and prefill shapes, experts, Q4_K's groups and
+# wider ones
+COMPILED = [
+    (True, False, True, 32, 16),
+    (True, False, False, 128, 64),
+    (True, True, False, 32, 16),
+    (False, False, True, 32, 64),
+    (False, True, False, 32, 16),
+]
+
+
+def print_shared_memory_compiled_for_h100() -> None:
+    """The shared memory each COMPILED config needs on an H100 in bf16, printed (tests/h100_compile.py)."""
+    for int4, grouped, bias, group, block_m in COMPILED:
+        constants = {"INT4": int4, "GROUPED": grouped, "HAS_BIAS": bias, "GROUP": group, "SUPERS": 2}
+        constants |= {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": min(group, 64), "WIDEN": False}
+        types = {"x": "*bf16", "out": "*bf16", "bias": "*fp32", "offsets": "*i32"}
+        types |= {"packed": "*u8", "groups": "*u8", "supers": "*fp16"} if int4 else {}
+        types |= {} if int4 else {"packed": "*i8", "groups": "*fp16", "supers": "*fp16"}
+        print(shared_memory_for_h100(triton_qlinear._quantized_linear_kernel, types, constants))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the tests above compile it for this GPU")
+def test_the_kernel_compiles_for_an_h100():
+    shared = run_uninterpreted("tests.test_triton_qlinear:print_shared_memory_compiled_for_h100")
+    assert len(shared) == len(COMPILED) and max(shared) <= H100_SHARED_MEMORY, shared
 
 
 needs_cpu_kernels = pytest.mark.skipif(
