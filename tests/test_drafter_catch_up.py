@@ -75,8 +75,9 @@ def same_rounds(model, drafter_type, graphs=None, **kwargs):
         seqs = []
         for r, a in anchors.items():
             seq = Sequence(f"r{r}", tokens[r][:1], params, 64, output_token_ids=tokens[r][1 : a + 1])
-            for drafter in (plain, chunked):
-                drafter.observe(seq, fed[r], features[r][fed[r] : a])
+            for drafter in (plain, chunked):  # in pieces of 5 rows, as a prompt's prefill chunks hand them
+                for start in range(fed[r], a, 5):
+                    drafter.observe(seq, start, features[r][start : min(start + 5, a)])
             fed[r] = a
             seqs.append(seq)
         for p, c in zip(plain.propose(seqs, 3), chunked.propose(seqs, 3), strict=True):
