@@ -28,12 +28,14 @@ BLOCK = 4
 LIMIT = 4  # rows a chunked drafter's forward may hold: a few, against prompts of up to 30
 LENGTH = 40
 # Rounds: request -> its anchor. The first feeds two whole prompts (47 rows), the second a new one (25)
-# beside a few rows of the others; request 1 skips a round (its features accumulate), request 3 is short.
+# beside a few rows of the others; request 1 skips a round (its features accumulate), request 3 is short
+# and is proposed for again without a new row.
 ROUNDS = [
     {0: 30, 1: 17},
     {0: 33, 1: 19, 2: 25},
     {0: 34, 2: 28},
     {0: 38, 1: 27, 2: 30, 3: 9},
+    {3: 9, 1: 39},  # request 3 again without new rows, beside more than a forward's
 ]
 STATIC = GraphConfig(max_tokens=16, max_pieces=4, max_blocks=16, capture=False)
 
@@ -72,18 +74,22 @@ def same_rounds(model, drafter_type, graphs=None, **kwargs):
     fed = [0] * 4
     params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     for anchors in ROUNDS:
-        seqs = []
+        seqs, fresh = [], []
         for r, a in anchors.items():
+            fresh.append(a > fed[r])
             seq = Sequence(f"r{r}", tokens[r][:1], params, 64, output_token_ids=tokens[r][1 : a + 1])
             for drafter in (plain, chunked):  # in pieces of 5 rows, as a prompt's prefill chunks hand them
                 for start in range(fed[r], a, 5):
                     drafter.observe(seq, start, features[r][start : min(start + 5, a)])
             fed[r] = a
             seqs.append(seq)
-        for p, c in zip(plain.propose(seqs, 3), chunked.propose(seqs, 3), strict=True):
-            assert c.token_ids == p.token_ids and len(p.token_ids) == 3
-            assert torch.equal(c.probs, p.probs)
-            assert torch.equal(c.confidences, p.confidences)
+        proposals = zip(plain.propose(seqs, 3), chunked.propose(seqs, 3), fresh, strict=True)
+        for p, c, new_rows in proposals:
+            # (EAGLE-3 drafts from a request's newest row: none without one)
+            assert c.token_ids == p.token_ids and (len(p.token_ids) == 3 or not new_rows)
+            if p.token_ids:
+                assert torch.equal(c.probs, p.probs)
+                assert torch.equal(c.confidences, p.confidences)
     for a, b in zip(plain.caches, chunked.caches, strict=True):
         assert torch.equal(a.k, b.k[: a.k.shape[0]]) and torch.equal(a.v, b.v[: a.v.shape[0]])
     if plain.reads_next_token:  # the features kept with the full blocks
