@@ -5,7 +5,8 @@ Per request the drafter keeps a paged draft cache holding K/V of the projected t
 position before the current anchor, plus the target features it has been handed but not projected yet.
 A round (DSPARK.md §4.3):
 1. project the pending context rows and write their K/V (positions cached..a-1), write the block's K/V
-   (positions a..a+B-1) and attend, without a causal mask, over the whole cache;
+   (positions a..a+B-1) and attend, without a causal mask, over the whole cache (pending rows beyond what
+   one forward may hold are written first, in forwards of their own: `HiddenStateDrafter.catch_up`);
 2. roll the cache back to `a` (a length change: the block rows are overwritten next round);
 3. sample slot by slot: z_i = U_i + MarkovBias(prev_i), q_i = the request's sampling transforms of z_i,
    d_{i+1} ~ q_i, prev_{i+1} = d_{i+1}; confidence c_i from [h_i; W1[prev_i]].
@@ -27,7 +28,12 @@ from specserve.spec_decode.deepspec.config import DSparkConfig
 from specserve.spec_decode.deepspec.dspark import DSparkDraftModel, PagedDraftBatch
 from specserve.spec_decode.drafters.base import sample_drafts
 from specserve.spec_decode.drafters.graphs import DraftInputs
-from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenStateDrafter, concat_rows
+from specserve.spec_decode.drafters.hidden_states import (
+    DrafterLayout,
+    HiddenStateDrafter,
+    concat_rows,
+    context_rows,
+)
 
 
 class DSparkDrafter(HiddenStateDrafter):
@@ -85,14 +91,20 @@ class DSparkDrafter(HiddenStateDrafter):
         anchors = [s.num_tokens - 1 for s in seqs]
         for state, a in zip(states, anchors):
             self.blocks.grow(state, a + B)
-        ctx_pos = [p for st, a in zip(states, anchors) for p in range(st.num_cached, a)]
-        ctx_owner = [r for r, st in enumerate(states) for _ in range(st.num_pending)]
+        self.catch_up(seqs, states)
+        kv_only = context_rows([st.num_cached for st in states], [st.num_pending for st in states])
         features = [f for st in states for f in st.take_pending()]
         features = concat_rows(features, self.feature_width, self.caches[0].k)
         block_ids = [[s.all_token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
-        h = self.run_forward(states, block_ids, anchors, (ctx_owner, ctx_pos), kv_rows=features)
+        h = self.run_forward(states, block_ids, anchors, kv_only, kv_rows=features)
         self.roll_back(seqs, states, anchors)  # keep the context rows (< a); the block rows go
         return h.view(len(seqs), B, -1)
+
+    def write_context(self, seqs, states, lens, features) -> None:
+        """The context rows alone, K/V-only (no block): an eager forward of no query rows."""
+        starts, tables = [st.num_cached for st in states], [st.block_table for st in states]
+        no_block = [[] for _ in states]
+        self.eager_forward(tables, self.caches, no_block, starts, context_rows(starts, lens), None, features)
 
     def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
         """The block rows' final-normed hidden states; the K/V-only rows are the new context's features."""

@@ -3,9 +3,11 @@ per drafted token, batched across requests.
 
 The draft cache holds one row per committed position t < a (the anchor's position): the target's features
 at t paired with the token at t+1. A round first writes the pending rows (the anchor and accepted tokens
-of the last verification, causally), whose last output predicts d1; then each step feeds the previous
-step's output hidden state with the token just drafted, one position further. The drafted rows are rolled
-back by length afterwards; the next round rewrites those positions with the target's real features.
+of the last verification, causally; those beyond what one forward may hold, a new request's prompt, in
+forwards of their own before: `HiddenStateDrafter.catch_up`), whose last output predicts d1; then each
+step feeds the previous step's output hidden state with the token just drafted, one position further. The
+drafted rows are rolled back by length afterwards; the next round rewrites those positions with the
+target's real features.
 Drafting a request stops at a drafted end-of-sequence token, as DeepSpec's evaluator does.
 """
 
@@ -24,11 +26,17 @@ from specserve.spec_decode.deepspec.dspark import PagedDraftBatch
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.spec_decode.drafters.base import sample_drafts
 from specserve.spec_decode.drafters.graphs import DraftInputs
-from specserve.spec_decode.drafters.hidden_states import DrafterLayout, HiddenStateDrafter, concat_rows
+from specserve.spec_decode.drafters.hidden_states import (
+    DrafterLayout,
+    HiddenStateDrafter,
+    concat_rows,
+    context_rows,
+)
 
 
 class Eagle3Drafter(HiddenStateDrafter):
     reads_next_token = True  # context row t reads the token at t + 1
+    drafts_from_newest_row = True  # d1 comes from it
 
     def __init__(
         self,
@@ -66,17 +74,12 @@ class Eagle3Drafter(HiddenStateDrafter):
         anchors = [s.num_tokens - 1 for s in seqs]
         for state, a in zip(states, anchors):
             self.blocks.grow(state, a + num_tokens - 1)
+        self.catch_up(seqs, states)
         lens = [st.num_pending for st in states]
-        starts = [st.num_cached for st in states]
-        # Row t pairs the features of position t with the token at t + 1.
-        tokens = [s.all_token_ids[st.num_cached + 1 : a + 1] for s, st, a in zip(seqs, states, anchors)]
         features = concat_rows(
             [f for st in states for f in st.take_pending()], self.feature_width, self.caches[0].k
         )
-        pos = torch.cat([torch.arange(st.num_cached, a) for st, a in zip(states, anchors)])
-        owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
-        self.group.keep_last_features([st.block_table for st in states], owner, pos, features)
-        out = self.run_forward(states, tokens, starts, query_rows=self.model.project_context(features))
+        out = self.write_context(seqs, states, lens, features)
         hidden = out[[end - 1 for end in row_offsets(lens)[1:]]]  # each request's newest row
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows, peak_rows = [], []
@@ -99,6 +102,15 @@ class Eagle3Drafter(HiddenStateDrafter):
             DraftProposal(d, probs[r], confidences[r]).truncate(self._length(d, seq))
             for r, (d, seq) in enumerate(zip(drafted, seqs))
         ]
+
+    def write_context(self, seqs, states, lens, features) -> torch.Tensor:
+        """The context rows as query rows, causally (their K/V written): their outputs."""
+        starts = [st.num_cached for st in states]
+        # Row t pairs the features of position t with the token at t + 1.
+        tokens = [s.all_token_ids[p + 1 : p + n + 1] for s, p, n in zip(seqs, starts, lens)]
+        owner, pos = (torch.tensor(rows, dtype=torch.long) for rows in context_rows(starts, lens))
+        self.group.keep_last_features([st.block_table for st in states], owner, pos, features)
+        return self.run_forward(states, tokens, starts, query_rows=self.model.project_context(features))
 
     def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
         """Pre-norm outputs of the rows, each from its token and its hidden input (projected target

@@ -6,7 +6,7 @@ eagerly otherwise."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -42,9 +42,42 @@ class ContextState(PagedEntry):
     def num_rows(self) -> int:
         return self.num_cached + self.num_pending
 
-    def take_pending(self) -> list[torch.Tensor]:
-        rows, self.pending, self.num_pending = self.pending, [], 0
+    def take_pending(self, num_rows: int | None = None) -> list[torch.Tensor]:
+        """The first `num_rows` pending rows (all of them by default), no longer pending."""
+        if num_rows is None or num_rows == self.num_pending:
+            rows, self.pending, self.num_pending = self.pending, [], 0
+            return rows
+        rows, left = [], num_rows
+        while left:
+            head = self.pending.pop(0)
+            rows.append(head[:left])
+            if head.shape[0] > left:
+                self.pending.insert(0, head[left:])
+            left -= rows[-1].shape[0]
+        self.num_pending -= num_rows
         return rows
+
+
+def context_rows(starts: Seq[int], lens: Seq[int]) -> tuple[list[int], list[int]]:
+    """The owner (request index) and position of each context row: `lens[r]` rows from `starts[r]`."""
+    owners = [r for r, n in enumerate(lens) for _ in range(n)]
+    return owners, [p for s, n in zip(starts, lens) for p in range(s, s + n)]
+
+
+def row_chunks(counts: Seq[int], limit: int) -> Iterator[list[tuple[int, int]]]:
+    """`counts[r]` rows of each request r, in order, cut into chunks of at most `limit` rows: each a list
+    of (request, rows)."""
+    chunk, room = [], limit
+    for r, n in enumerate(counts):
+        while n:
+            take = min(n, room)
+            chunk.append((r, take))
+            n, room = n - take, room - take
+            if not room:
+                yield chunk
+                chunk, room = [], limit
+    if chunk:
+        yield chunk
 
 
 def concat_rows(rows: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
@@ -150,6 +183,7 @@ class HiddenStateDrafter(Drafter):
 
     reads_next_token = False  # a context row t reads the token at t + 1 too (EAGLE-3, MTP)
     causal = True  # a query row attends the keys up to its own position (False: all of its request's)
+    drafts_from_newest_row = False  # a round's forward needs each request's newest context row (EAGLE-3, MTP)
 
     def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
@@ -161,6 +195,9 @@ class HiddenStateDrafter(Drafter):
         self.device = target.platform.device  # where the target's features arrive and the drafter runs
         self.generator = target.generator  # unseeded requests draw from the engine's generator
         self.extra_tokens_per_request = extra_tokens_per_request  # drafted rows beyond the context
+        # The most context rows one forward takes (`catch_up` bounds a round's to it), and the rows of each
+        # kind `activation_bytes` measures a forward of: the memory budget holds exactly that forward.
+        self.max_forward_rows = target.max_num_batched_tokens
         # None: every forward eager (see draft_graph_config); set before `bind_caches`
         self.graph_config = draft_graph_config(target, model)
         self.graphs: DraftGraphs | None = None
@@ -207,7 +244,7 @@ class HiddenStateDrafter(Drafter):
         as many K/V-only rows where it reads them (a DSpark round's context), and, where it replays graphs,
         their pool: of its largest bucket's forward (query and K/V-only rows)."""
         kv = self.row_widths()[1] > 0
-        rows = target.max_num_batched_tokens
+        rows = self.max_forward_rows
         total = self._probe_bytes(rows, rows * kv, target.block_size)
         if self.graph_config is not None:
             bucket = self.graph_config.largest_bucket
@@ -235,6 +272,35 @@ class HiddenStateDrafter(Drafter):
             return forward
 
         return peak_bytes(self.device, setup)
+
+    def catch_up(self, seqs: list[Sequence], states: list[ContextState]) -> None:
+        """Bound a round's forward to `max_forward_rows` pending rows: a new request's prompt arrives whole
+        (its chunks' features wait for its first round), and the memory budget holds no longer forward.
+        The excess, each request's oldest rows first, is written to the draft cache beforehand
+        (`write_context`), in forwards of at most that many rows; a drafter that drafts from a request's
+        newest row keeps it for the round. Every request's blocks must already cover its pending rows."""
+        excess = sum(st.num_pending for st in states) - self.max_forward_rows
+        if excess <= 0:
+            return
+        counts = []
+        for st in states:
+            counts.append(min(excess, st.num_pending - self.drafts_from_newest_row))
+            excess -= counts[-1]
+        for chunk in row_chunks(counts, self.max_forward_rows):
+            chunk_states = [states[r] for r, _ in chunk]
+            lens = [n for _, n in chunk]
+            rows = [f for st, n in zip(chunk_states, lens) for f in st.take_pending(n)]
+            features = concat_rows(rows, self.feature_width, self.caches[0].k)
+            self.write_context([seqs[r] for r, _ in chunk], chunk_states, lens, features)
+            for st, n in zip(chunk_states, lens):
+                st.num_cached += n
+
+    def write_context(
+        self, seqs: list[Sequence], states: list[ContextState], lens: list[int], features: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Write `lens[r]` context rows of each request, from its `num_cached` on, into the draft cache
+        (their target `features`, concatenated); a subclass may return what the forward gives."""
+        raise NotImplementedError
 
     def forward_rows(self, inputs: DraftInputs, batch: PagedDraftBatch) -> torch.Tensor:
         """The network's paged forward (drafters/graphs.py's DraftForward): the query rows' outputs."""
