@@ -15,7 +15,9 @@ import torch
 from specserve import SamplingParams
 from specserve.core.cache_coordinator import DrafterCaches
 from specserve.core.sequence import Sequence
+from specserve.models.loader import load_model
 from specserve.models.prepare import prepare_model
+from specserve.spec_decode.drafters.draft_model import DraftModelDrafter
 from specserve.spec_decode.drafters.dspark import DSparkDrafter
 from specserve.spec_decode.drafters.eagle3 import Eagle3Drafter
 from specserve.worker.cuda_graphs import GraphConfig
@@ -136,3 +138,41 @@ def test_activation_probe_measures_the_bounded_forward(targets):  # noqa: F811
         drafter._probe_bytes = lambda query, kv, block_size, probes=probes: probes.append((query, kv)) or 0
         drafter.activation_bytes(fake_target(BLOCK))
         assert probes == [(7, kv_rows)]
+
+
+@pytest.mark.parametrize(
+    "arch, graphs", [("qwen2", None), ("qwen2", STATIC), ("qwen3_5", None)]
+)  # attention only, eager and through static buffers; a hybrid's committed state
+def test_draft_model_feeds_a_long_backlog_in_chunks_drafting_bitwise_the_same(tiny_model_dir, arch, graphs):
+    """A draft model's round first feeds every token its cache has not seen (a new request's whole prompt):
+    beyond `max_forward_tokens`, the oldest go in forwards of their own beforehand, into the committed
+    state, and the round's forward keeps each request's newest token. Drafts and q rows bitwise as without
+    a limit; no forward feeds more than LIMIT tokens but for the rows a round needs (one per request)."""
+    model = load_model(str(tiny_model_dir(arch)))[0]
+    drafters, fed_per_forward = [], []
+    for limit, graph_config in ((2048, None), (LIMIT, graphs)):
+        drafter = DraftModelDrafter(model, replace(fake_target(BLOCK), max_num_batched_tokens=limit))
+        drafter.graph_config = graph_config
+        drafter.bind_caches(DrafterCaches.standalone(drafter.cache_spec(BLOCK), 64, BLOCK, max_num_seqs=4))
+        fed, real = [], drafter.runner.forward
+        drafter.runner.forward = lambda pieces, rows, *a, fed=fed, real=real: (
+            fed.append(sum(len(p.token_ids) for p in pieces)) or real(pieces, rows, *a)
+        )
+        drafters.append(drafter)
+        fed_per_forward.append(fed)
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(3, VOCAB - 1, (LENGTH,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
+    for anchors in ROUNDS:
+        seqs = [
+            Sequence(f"r{r}", tokens[r][:1], params, 64, output_token_ids=tokens[r][1 : a + 1])
+            for r, a in anchors.items()
+        ]
+        plain, chunked = (drafter.propose(seqs, 3) for drafter in drafters)
+        for p, c in zip(plain, chunked, strict=True):
+            assert c.token_ids == p.token_ids and len(p.token_ids) == 3
+            assert torch.equal(c.probs, p.probs)
+    assert max(fed_per_forward[0]) > LIMIT  # without a limit a prompt goes whole
+    assert max(fed_per_forward[1]) <= max(LIMIT, len(ROUNDS[-1]))
+    if graphs is not None:
+        assert drafters[1].runner.graphs._inputs  # the short forwards went through the static buffers

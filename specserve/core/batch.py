@@ -5,7 +5,7 @@ sampling made of each piece (`PieceResult`), and the state operations that commi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -145,3 +145,19 @@ class StepCommit:
 
     keep: dict[int, int] = field(default_factory=dict)
     saves: list[StateCopy] = field(default_factory=list)
+
+
+def row_chunks(counts: Seq[int], limit: int) -> Iterator[list[tuple[int, int]]]:
+    """`counts[r]` rows of each request r, in order, cut into chunks of at most `limit` rows: each a list
+    of (request, rows)."""
+    chunk, room = [], limit
+    for r, n in enumerate(counts):
+        while n:
+            take = min(n, room)
+            chunk.append((r, take))
+            n, room = n - take, room - take
+            if not room:
+                yield chunk
+                chunk, room = [], limit
+    if chunk:
+        yield chunk

@@ -2,7 +2,8 @@
 
 Each round is k batched forwards of the draft model over all proposing sequences: the first feeds every
 token the draft cache has not seen yet (the tokens accepted last round and the new bonus token, or more
-after rounds that drafted nothing), the others one drafted token each. Drafts are sampled with the
+after rounds that drafted nothing; a new request's prompt beyond a step's worth of tokens goes in forwards of
+its own first: `_catch_up`), the others one drafted token each. Drafts are sampled with the
 request's own sampling parameters and their q rows kept for rejection sampling. A scheduled verify policy
 decides before each forward which sequences draft on (`keep_drafting`).
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.batch import row_offsets
+from specserve.core.batch import row_chunks, row_offsets
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec, StateCopy
 from specserve.core.proposal import DraftProposal, KeepDrafting
@@ -71,6 +72,9 @@ class DraftModelDrafter(Drafter):
         self.dtype = target.torch_dtype
         self.vocab_size = target.vocab_size
         self.generator = target.generator  # unseeded requests draw from the engine's generator
+        # The most new tokens a forward feeds (`_catch_up` bounds a round's first to it): a target step's, as
+        # `activation_bytes` measures
+        self.max_forward_tokens = target.max_num_batched_tokens
         # None: its forwards eager (see draft_graph_config); else its runner's, as the target's (set before
         # `bind_caches`)
         self.graph_config = draft_graph_config(target, model)
@@ -87,7 +91,7 @@ class DraftModelDrafter(Drafter):
     def activation_bytes(self, target: TargetContext) -> int:
         """As the target's (a step of its tokens; a row sampled per request), its graphs' pool included."""
         graph_tokens = self.graph_config.largest_bucket if self.graph_config is not None else 0
-        limits = (target.max_num_batched_tokens, target.max_num_seqs, target.block_size, self.dtype)
+        limits = (self.max_forward_tokens, target.max_num_seqs, target.block_size, self.dtype)
         return lm_activation_bytes(self.model, *limits, graph_tokens=graph_tokens)
 
     def bind_caches(self, caches: DrafterCaches) -> None:
@@ -140,6 +144,7 @@ class DraftModelDrafter(Drafter):
         if not seqs:
             return []
         states = [self._sync(seq) for seq in seqs]
+        self._catch_up(seqs, states)
         drafted: list[list[int]] = [[] for _ in seqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
         confidences: list[list[float]] = [[] for _ in seqs]
@@ -184,6 +189,34 @@ class DraftModelDrafter(Drafter):
             DraftProposal(d, torch.stack(rows) if rows else None, c)
             for d, rows, c in zip(drafted, q_rows, _as_tensors(confidences))
         ]
+
+    def _catch_up(self, seqs: list[Sequence], states: list[DraftState]) -> None:
+        """Bound a round's first forward to `max_forward_tokens` new tokens: a new request's whole prompt
+        (or a long backlog) is more than the memory budget holds a forward of. The excess, each request's
+        oldest committed tokens first, is fed beforehand in forwards of at most that many tokens, into its
+        committed state; each request's newest token stays for the round (its logits draft d1)."""
+        new = [seq.num_tokens - len(state.fed) for seq, state in zip(seqs, states)]
+        excess = sum(new) - self.max_forward_tokens
+        if excess <= 0:
+            return
+        counts = []
+        for n in new:
+            counts.append(min(excess, n - 1))
+            excess -= counts[-1]
+        for chunk in row_chunks(counts, self.max_forward_tokens):
+            pieces = []
+            for r, n in chunk:
+                seq, state = seqs[r], states[r]
+                start = len(state.fed)
+                self.blocks.grow(state, start + n)
+                pieces.append(
+                    PieceInput(
+                        seq.all_token_ids[start : start + n], start, state.block_table, self._slot(seq)
+                    )
+                )
+                state.fed = seq.all_token_ids[: start + n]
+                state.num_committed = start + n
+            self.runner.forward(pieces, [])
 
     def backlog(self, seq: Sequence) -> int:
         state = self.states.get(seq.request_id)

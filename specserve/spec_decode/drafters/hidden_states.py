@@ -6,14 +6,14 @@ eagerly otherwise."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.batch import row_offsets
+from specserve.core.batch import row_chunks, row_offsets
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
 from specserve.core.sequence import Sequence
@@ -62,22 +62,6 @@ def context_rows(starts: Seq[int], lens: Seq[int]) -> tuple[list[int], list[int]
     """The owner (request index) and position of each context row: `lens[r]` rows from `starts[r]`."""
     owners = [r for r, n in enumerate(lens) for _ in range(n)]
     return owners, [p for s, n in zip(starts, lens) for p in range(s, s + n)]
-
-
-def row_chunks(counts: Seq[int], limit: int) -> Iterator[list[tuple[int, int]]]:
-    """`counts[r]` rows of each request r, in order, cut into chunks of at most `limit` rows: each a list
-    of (request, rows)."""
-    chunk, room = [], limit
-    for r, n in enumerate(counts):
-        while n:
-            take = min(n, room)
-            chunk.append((r, take))
-            n, room = n - take, room - take
-            if not room:
-                yield chunk
-                chunk, room = [], limit
-    if chunk:
-        yield chunk
 
 
 def concat_rows(rows: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
