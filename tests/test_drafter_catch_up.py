@@ -125,19 +125,21 @@ def test_eagle3_context_rows_in_chunks_draft_bitwise_the_same(targets, graphs): 
         assert drafter.graphs._inputs
 
 
-def test_activation_probe_measures_the_bounded_forward(targets):  # noqa: F811
+@pytest.mark.parametrize("max_rows, dspark_queries", [(7, 16), (40, 40)])
+def test_activation_probe_measures_the_bounded_forward(targets, max_rows, dspark_queries):  # noqa: F811
     """`activation_bytes` probes a forward of `max_forward_rows` rows of each kind the drafter reads: query
-    rows, and K/V-only rows where it has them (DSpark's context)."""
+    rows, and K/V-only rows where it has them (DSpark's context); DSpark's query rows are at least a
+    round's blocks, 4 rows for each of fake_target's 4 requests."""
     drafters = {
-        DSparkDrafter(make_drafter_model(targets), fake_target(BLOCK)): 7,
-        Eagle3Drafter(make_eagle3_model(targets), fake_target(BLOCK), 3): 0,
+        DSparkDrafter(make_drafter_model(targets), fake_target(BLOCK)): (dspark_queries, max_rows),
+        Eagle3Drafter(make_eagle3_model(targets), fake_target(BLOCK), 3): (max_rows, 0),
     }
-    for drafter, kv_rows in drafters.items():
+    for drafter, probed in drafters.items():
         probes = []
-        drafter.max_forward_rows = 7
+        drafter.max_forward_rows = max_rows
         drafter._probe_bytes = lambda query, kv, block_size, probes=probes: probes.append((query, kv)) or 0
         drafter.activation_bytes(fake_target(BLOCK))
-        assert probes == [(7, kv_rows)]
+        assert probes == [probed]
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ class DSparkDrafter(HiddenStateDrafter):
     def __init__(self, model: DSparkDraftModel, target: TargetContext, calibrated: bool = True):
         super().__init__(model, target, DrafterLayout.of_checkpoint(model), model.config.block_size)
         self.block_size = model.config.block_size
+        self.query_rows_per_request = self.block_size  # a round's block rows
         # Slot of the first draft: 0 with DeepSpec's anchor-first blocks, 1 with z-lab's 1+N infill
         # (slot 0 then only carries the anchor).
         self.first_slot = model.config.first_draft_slot

@@ -168,6 +168,7 @@ class HiddenStateDrafter(Drafter):
     reads_next_token = False  # a context row t reads the token at t + 1 too (EAGLE-3, MTP)
     causal = True  # a query row attends the keys up to its own position (False: all of its request's)
     drafts_from_newest_row = False  # a round's forward needs each request's newest context row (EAGLE-3, MTP)
+    query_rows_per_request = 1  # a forward's query rows a request beside its context (DSpark: its block's)
 
     def __init__(self, model, target: TargetContext, layout: DrafterLayout, extra_tokens_per_request: int):
         self.model = model
@@ -224,12 +225,14 @@ class HiddenStateDrafter(Drafter):
         ]
 
     def activation_bytes(self, target: TargetContext) -> int:
-        """Its forwards' (worker/device_memory.py): one of as many query rows as a target step holds, after
-        as many K/V-only rows where it reads them (a DSpark round's context), and, where it replays graphs,
-        their pool: of its largest bucket's forward (query and K/V-only rows)."""
+        """Its forwards' (worker/device_memory.py): one of as many query rows as a target step holds (or a
+        round of every request's own, where those are more: DSpark's blocks), after a step's K/V-only rows
+        where it reads them (a DSpark round's context), and, where it replays graphs, their pool: of its
+        largest bucket's forward (query and K/V-only rows)."""
         kv = self.row_widths()[1] > 0
         rows = self.max_forward_rows
-        total = self._probe_bytes(rows, rows * kv, target.block_size)
+        queries = max(rows, target.max_num_seqs * self.query_rows_per_request)
+        total = self._probe_bytes(queries, rows * kv, target.block_size)
         if self.graph_config is not None:
             bucket = self.graph_config.largest_bucket
             total += GRAPH_POOL_FORWARDS * self._probe_bytes(bucket, bucket * kv, target.block_size)
