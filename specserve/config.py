@@ -314,15 +314,13 @@ class EngineConfig:
 
     def _choose_platform(self) -> None:
         """`platform` (specserve/platform.py) and why. "auto" takes CUDA where torch sees a GPU, unless the
-        settings ask for what runs on the CPU alone (more ranks than GPUs; int4 / int8 weights where
-        specserve's CPU kernels do not build): then the CPU. A device named outright that cannot run the
-        settings is an error that says what to change."""
+        settings ask for what runs on the CPU alone (more tensor-parallel ranks than GPUs): then the CPU. A
+        device named outright that cannot run the settings is an error that says what to change."""
         from specserve.platform import CPU, check_device, resolve_platform
 
         self.platform = resolve_platform(self.device)
         self.device_reason = "asked for" if check_device(self.device) != "auto" else "auto"
-        dtype = _DTYPES.get(str(self.dtype).lower())
-        refused = self.platform.refusals(self.quantization, self.tensor_parallel_size, dtype)
+        refused = self.platform.refusals(self.tensor_parallel_size)
         if refused and self.device_reason == "auto":
             self.platform, self.device_reason = CPU, f"auto: {' and '.join(refused)} run on the CPU only"
             refused = []

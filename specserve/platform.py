@@ -24,11 +24,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from specserve.errors import SpecserveError
-from specserve.layers import kernels
-from specserve.parallel.node import local_world_size
 
 AUTO_DEVICE_ENV = "SPECSERVE_AUTO_DEVICE"
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def local_rank(rank: int) -> int:
+    """Tensor-parallel rank `rank`'s index among its node's ranks: a launcher such as torchrun says
+    (LOCAL_RANK: several nodes each run some of the ranks); the engine's own workers all run on its node."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def local_world_size(world_size: int) -> int:
+    """How many of `world_size` ranks run on this node (LOCAL_WORLD_SIZE, as `local_rank`)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def check_device(device: str) -> str:
@@ -86,14 +95,18 @@ class Platform:
         capable = self.is_cuda and torch.cuda.get_device_capability(self.device)[0] in (9, 10)
         return capable and dtype == torch.bfloat16
 
-    def refusals(self, quantization: str | None, tensor_parallel_size: int, dtype: str) -> list[str]:
-        """What the engine was asked for that does not run on this device yet (empty: all of it runs)."""
+    @property
+    def quantized_layout(self) -> bool | None:
+        """`use_kernel` for the int4 / int8 layers built for this device (layers/quant.py): True on CUDA,
+        whose Triton kernel reads specserve's kernel layout only; None on the CPU: that layout wherever
+        its compiled kernels are built, torch's own int4 form elsewhere."""
+        return True if self.is_cuda else None
+
+    def refusals(self, tensor_parallel_size: int) -> list[str]:
+        """What the engine was asked for that does not run on this device (empty: all of it runs)."""
         if not self.is_cuda:
             return []
         refused = []
-        if quantization is not None and kernels.ops() is None:
-            # layers are quantized on the host into specserve's kernel layout, which its CPU build provides
-            refused.append(f"quantization {quantization!r} without specserve's CPU kernels (see the log)")
         first, count = self.device.index, torch.cuda.device_count()
         last = first + local_world_size(tensor_parallel_size) - 1  # a GPU a rank of this node (`of_rank`)
         if tensor_parallel_size > 1 and last >= count:

@@ -13,10 +13,10 @@ import torch
 from specserve.cli_args import add_engine_args, engine_kwargs
 from specserve.config import EngineConfig, SpecserveError
 from specserve.layers import kernels
+from specserve.layers.quant import Int4Linear, quantize_int4
 from specserve.layers.transfer import to_device, to_host
 from specserve.models.loader import load_model
-from specserve.parallel.node import local_rank
-from specserve.platform import CPU, Platform, check_device, resolve_platform
+from specserve.platform import CPU, Platform, check_device, local_rank, resolve_platform
 from specserve.worker.cuda_graphs import GraphConfig
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
@@ -92,13 +92,14 @@ def test_experts_group_on_the_device_where_grouped_mm_reads_no_host(two_gpus, mo
     assert not cuda.groups_on_device(torch.float32) and not CPU.groups_on_device(torch.bfloat16)
 
 
-def test_quantization_on_cuda_needs_the_cpu_kernels_that_lay_its_weights_out(two_gpus, monkeypatch):
-    """Layers are quantized on the host into specserve's kernel layout, which the CPU build provides."""
+def test_quantized_layers_on_cuda_take_the_kernel_layout_without_the_cpu_kernels(two_gpus, monkeypatch):
+    """CUDA's Triton kernel reads specserve's kernel layout only: the layers built for it take that layout
+    even where the CPU kernels are not built (which the CPU's layers then do without)."""
     monkeypatch.setattr(kernels, "ops", lambda: None)
-    with pytest.raises(SpecserveError, match=r"quantization 'int4' without specserve's CPU kernels"):
-        EngineConfig(model="m", device="cuda", quantization="int4")
-    config = EngineConfig(model="m", quantization="int8")
-    assert config.platform is CPU and config.device_reason.startswith("auto: quantization 'int8' without")
+    config = EngineConfig(model="m", device="cuda", quantization="int4")
+    w = quantize_int4(torch.randn(32, 64), 32)
+    assert Int4Linear(w, use_kernel=config.platform.quantized_layout).on_kernel
+    assert not Int4Linear(w, use_kernel=CPU.quantized_layout).on_kernel
 
 
 def test_auto_falls_back_to_the_cpu_for_what_runs_there_only(two_gpus):

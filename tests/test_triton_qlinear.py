@@ -11,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from specserve.config import SpecserveError  # noqa: E402
-from specserve.layers import kernels, triton_qlinear  # noqa: E402
+from specserve.layers import triton_qlinear  # noqa: E402
 from specserve.layers.quant import (  # noqa: E402
     Int4Linear,
     Int8Linear,
@@ -20,6 +20,7 @@ from specserve.layers.quant import (  # noqa: E402
     pack_int4_scales,
     pack_int8_codes,
     quantize_int4,
+    quantize_model,
     use_device_kernels,
 )
 from specserve.layers.weight_storage import move_storages, weight_tensors  # noqa: E402
@@ -142,19 +143,20 @@ def test_the_kernel_compiles_for_an_h100():
     assert len(shared) == len(COMPILED) and max(shared) <= H100_SHARED_MEMORY, shared
 
 
-needs_cpu_kernels = pytest.mark.skipif(
-    kernels.ops() is None, reason="quantized models take specserve's kernel layout where its kernels build"
-)
+def quantized_moe(tiny_model_dir, mode: str):
+    """A tiny Qwen3-MoE quantized into the kernel layout as for CUDA (the CPU kernels need not be built
+    here), its experts' gate and up fused and the experts stacked; and its first experts layer."""
+    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")))
+    quantize_model(model, mode, use_kernel=True)
+    return model, next(m for m in model.modules() if getattr(m, "stacks", None))
 
 
-@needs_cpu_kernels
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_moe_layer_on_device_kernels_groups_as_it_loops(tiny_model_dir, mode):
     """A quantized Qwen3-MoE's experts, stacked, in the device's grouped calls: each token's output as the
     experts one by one on the same kernel give it."""
-    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")), quantization=mode)
+    model, experts = quantized_moe(tiny_model_dir, mode)
     use_device_kernels(model, triton_qlinear)
-    experts = next(m for m in model.modules() if getattr(m, "stacks", None))
     model.to(DEVICE)
     hidden = experts[0].down_proj.out_features
     x = torch.randn(6, hidden, device=DEVICE)
@@ -167,12 +169,11 @@ def test_moe_layer_on_device_kernels_groups_as_it_loops(tiny_model_dir, mode):
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
 
 
-@needs_cpu_kernels
 def test_moving_the_weights_keeps_fused_and_stacked_layers_sharing_storage(tiny_model_dir):
     """Each storage is copied once (a copy per storage, not per tensor: the memory is not doubled), the
     stacks' own references move with the registered buffers, and the model computes what it did."""
-    model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")), quantization="int4")
-    experts = next(m for m in model.modules() if getattr(m, "stacks", None))
+    model, experts = quantized_moe(tiny_model_dir, "int4")
+    use_device_kernels(model, triton_qlinear)
     fusion = experts[0].gate_proj.fusion
     x = torch.randn(6, experts[0].down_proj.out_features)
     ids = torch.stack([torch.randperm(len(experts))[:2] for _ in range(6)])

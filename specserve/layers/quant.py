@@ -281,12 +281,11 @@ def unpack_int4_scales(q: torch.Tensor, groups: torch.Tensor, supers: torch.Tens
 
 
 def _use_kernel(wanted: bool | None, *values: torch.Tensor) -> bool:
-    """Whether a layer runs on specserve's kernel: `wanted` (None: whenever it is available), and only if
-    its scales fit fp16 (they do for any real model; torch's kernel keeps them in bf16's wider range)."""
+    """Whether a layer takes specserve's kernel layout: `wanted` (None: where the CPU kernels are built;
+    True: always, for the platform's kernels that read it, CUDA's), and only if its scales fit fp16 (they
+    do for any real model; torch's kernel keeps them in bf16's wider range)."""
     if wanted is False or (wanted is None and kernels.ops() is None):
         return False
-    if kernels.load_ops() is None:  # asked for explicitly (a CPU without AVX2 still has the scalar path)
-        raise SpecserveError("specserve's kernels are not available (see the log, or SPECSERVE_NO_KERNELS)")
     return all(bool(v.abs().max() <= FP16_MAX) for v in values if v.numel())
 
 
@@ -599,7 +598,7 @@ def use_device_kernels(model: nn.Module, ops) -> None:
                 if not layer.on_kernel:
                     raise SpecserveError(
                         f"{type(layer).__name__} {layer.extra_repr()} is in torch's CPU int4 form, which "
-                        "only the CPU runs (specserve's kernels were not built, or its scales overflow fp16)"
+                        "only the CPU runs (quantized for the CPU, or its scales overflow fp16)"
                     )
                 layer.device_ops = ops
         for stack in getattr(module, "stacks", None) or ():
@@ -616,11 +615,15 @@ def group_size_for(in_features: int, out_features: int, wanted: int = DEFAULT_GR
 
 
 def quantize_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int = DEFAULT_GROUP_SIZE
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mode: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    use_kernel: bool | None = None,
 ) -> QuantizedLinear:
     """The quantized layer for a dense fp32 weight (the caller checked `group_size_for`)."""
     blocks = weight.detach().split(ROWS_PER_CHUNK)
-    return quantize_row_blocks(blocks, tuple(weight.shape), bias, mode, group_size)
+    return quantize_row_blocks(blocks, tuple(weight.shape), bias, mode, group_size, use_kernel)
 
 
 def quantize_row_blocks(
@@ -629,6 +632,7 @@ def quantize_row_blocks(
     bias: torch.Tensor | None,
     mode: str,
     group_size: int = DEFAULT_GROUP_SIZE,
+    use_kernel: bool | None = None,
 ) -> QuantizedLinear:
     """`quantize_linear` of an [N, K] weight given as consecutive blocks of its rows (each row's codes
     depend on that row alone): a loader can dequantize a block, quantize it and drop it, never holding
@@ -636,7 +640,9 @@ def quantize_row_blocks(
     group_size = group_size_for(shape[1], shape[0], group_size)
     quantize = quantize_int8 if check_mode(mode) == "int8" else quantize_int4
     quantized = concatenated([quantize(b, group_size) for b in blocks])
-    return Int4Linear(quantized, bias) if mode == "int4" else Int8Linear(*quantized, bias)
+    if mode == "int4":
+        return Int4Linear(quantized, bias, use_kernel)
+    return Int8Linear(*quantized, bias, use_kernel)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -672,6 +678,7 @@ def quantize_model(
     group_size: int = DEFAULT_GROUP_SIZE,
     lm_head: bool | None = None,
     fuse: bool = True,
+    use_kernel: bool | None = None,
 ) -> int:
     """Replace, in place, every linear layer the kernel can take by its quantized version (weights already
     loaded; works before or after `pack_linears`); returns how many were replaced.
@@ -681,13 +688,14 @@ def quantize_model(
     `QUANTIZE_HEAD` (int4: quantized; int8: fp32). A head tied to the embedding gets its own quantized
     copy; the embedding itself stays fp32 (a lookup reads one row per token). Usable on a draft model on
     its own, independently of the target. `fuse=False` leaves the fusing to the caller (models/prepare.py
-    caches the layers unfused first).
+    caches the layers unfused first). `use_kernel`: the layers' (`Int4Linear`), the platform's
+    `quantized_layout`.
     """
     count = 0
     for names in list(quantizable_linears(model, mode, lm_head)):
         linear = model.get_submodule(names[0])
         with torch.no_grad():
-            new = quantize_linear(linear.weight, linear.bias, mode, group_size)
+            new = quantize_linear(linear.weight, linear.bias, mode, group_size, use_kernel)
         replace_module(model, names, new)
         count += 1
     if fuse:

@@ -575,17 +575,19 @@ def decode_q4_k(data: np.ndarray) -> Int4Weights:
     )
 
 
-def quantized_linear_from_gguf(tensor, plan: PlannedTensor, mode: str, bias) -> QuantizedLinear:
+def quantized_linear_from_gguf(
+    tensor, plan: PlannedTensor, mode: str, bias, use_kernel: bool | None = None
+) -> QuantizedLinear:
     """The quantized layer for one GGUF linear weight: from its blocks when the format maps onto the mode,
     else dequantized and requantized a block of rows at a time."""
     kind = tensor.tensor_type.name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
     if mode == "int8" and kind == "Q8_0":
-        return Int8Linear(*decode_q8_0(raw), bias)
+        return Int8Linear(*decode_q8_0(raw), bias, use_kernel)
     if mode == "int4" and kind == "Q4_K":
-        return Int4Linear(decode_q4_k(raw), bias)
+        return Int4Linear(decode_q4_k(raw), bias, use_kernel)
     blocks = (torch.from_numpy(block) for block in dequantized_row_blocks(raw, tensor.tensor_type))
-    return quantize_row_blocks(blocks, plan.shape, bias, mode)
+    return quantize_row_blocks(blocks, plan.shape, bias, mode, use_kernel=use_kernel)
 
 
 def gguf_source(model_dir: Path) -> Path | None:
@@ -599,9 +601,12 @@ def gguf_source(model_dir: Path) -> Path | None:
     return None
 
 
-def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, torch.Tensor]]:
+def load_quantized(
+    gguf_path: Path, model, mode: str, use_kernel: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Replace every quantizable linear layer of `model` (built, not yet loaded) by its quantized version
-    read from the GGUF, and return the remaining tensors, dequantized, for `model.load_weights`.
+    read from the GGUF (`use_kernel`: the layers', as `quantize_model`'s), and return the remaining
+    tensors, dequantized, for `model.load_weights`.
 
     A replaced layer's fp32 weight is never written, so (allocated uninitialised) it never takes memory.
     Layers the file does not hold (a head tied to the embedding) are left for `quantize_model`."""
@@ -619,7 +624,8 @@ def load_quantized(gguf_path: Path, model, mode: str) -> Iterator[tuple[str, tor
             rest.append(p)
             continue
         bias = model.get_submodule(names[0]).bias
-        replace_module(model, names, quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias))
+        layer = quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias, use_kernel)
+        replace_module(model, names, layer)
         release_pages(reader)
     return _as_tensors(reader, iter_converted(reader, rest))
 

@@ -303,7 +303,9 @@ def load_model(
     elif cache is not None and cache.exists():
         cache.load_into(net)
     elif source is not None:
-        net.load_weights(gguf.load_quantized(source, net, quantization), adopt=True)
+        net.load_weights(
+            gguf.load_quantized(source, net, quantization, platform.quantized_layout), adopt=True
+        )
     else:  # each tensor is read for this load: adopted, or copied (cast) into a `dtype` parameter
         net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
     if world_size > 1:

@@ -64,7 +64,7 @@ def prepare_model(
     """Quantize (every layer not quantized yet; "int8" | "int4" | None), save that form to `cache` if it has
     none yet, fuse and place on `platform`; in place, returns `model`."""
     if quantization is not None:
-        quantize_model(model, quantization, fuse=False)
+        quantize_model(model, quantization, fuse=False, use_kernel=platform.quantized_layout)
         if cache is not None and not cache.exists():
             print(
                 f"[specserve] caching the {quantization} weights (once: later loads map them)",

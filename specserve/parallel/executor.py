@@ -27,7 +27,7 @@ from specserve.local_port import free_local_port
 from specserve.models.sharding import Shard
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
 from specserve.parallel.install import install_collectives
-from specserve.parallel.node import local_world_size
+from specserve.platform import local_world_size
 from specserve.worker.model_runner import ForwardOutput, ModelRunner, PieceInput, PromptScoring
 
 TIMEOUT_ENV = "SPECSERVE_TP_TIMEOUT"

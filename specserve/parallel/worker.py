@@ -20,7 +20,7 @@ from specserve.models.sharding import Shard
 from specserve.parallel.executor import ShardedRunner, collective_timeout
 from specserve.parallel.group import TensorParallelError, TensorParallelGroup
 from specserve.parallel.install import install_collectives
-from specserve.parallel.node import local_rank
+from specserve.platform import local_rank
 from specserve.worker.model_runner import ModelRunner
 
 
