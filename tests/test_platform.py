@@ -238,6 +238,11 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     # (transformers' per-token time is the difference of two generate timings: at tiny shapes on a loaded
     # CPU it can come out of the noise with either sign; only that the anchor is measured is checked here)
     assert "transformers_tokens_per_s" in result and "vs_transformers" in run
+    by_weights = result["quantized"]["by_weights"]
+    assert list(by_weights) == ["float32", "int4", "int8"]
+    for figures in by_weights.values():
+        assert figures["decode_tokens_per_s"] > 0 and figures["roofline_share"] > 0
+        assert figures["verify_ratio_8"] > 0
     assert (tmp_path / "verify-cost.png").stat().st_size > 0
     assert (tmp_path / "pareto.png").stat().st_size > 0
     spec = result["speculative"]
@@ -256,7 +261,7 @@ def test_the_gpu_benchmark_runs_anywhere(tmp_path, capsys):
     # The n-gram drafter finds its matches in the repeating prompts, and some are accepted.
     assert max(figures["acceptance_rate"] for figures in ngram.values()) > 0
     out = capsys.readouterr().out
-    assert "T(k)/T(1)" in out and "drafts accepted" in out and "random weights" in out
+    assert "T(k)/T(1)" in out and "drafts accepted" in out and "random weights" in out and "int4:" in out
     with pytest.raises(SystemExit):
         main([*argv, "--draft-shape", "qwen3-0.6b"])  # another vocabulary: refused before anything runs
     assert "another vocabulary" in capsys.readouterr().err

@@ -7,6 +7,8 @@ ones), each figure against one measured in the same run:
   of the roofline (the bytes a decode step must read, weights and KV, x tokens/s / copy bandwidth);
 - T(k) / T(1) for k = 1..16: the verification forward of k tokens at batch 1, the cost curve the
   load-aware planner reads (also drawn: verify-cost.png);
+- the same decode and T(8) / T(1) for a `--draft-shape` model with dense, int4 and int8 weights (the
+  quantized linears' Triton kernel against cuBLAS; `--no-quantized` skips it);
 - the whole engine serving 1 / 8 / 32 / 128 concurrent requests (`--concurrency`) of `--input-len` prompt
   tokens and `--output-len` generated ones: output tokens/s per device and per user (the median of
   1 / TPOT);
@@ -54,6 +56,7 @@ from specserve.bench.serve.report import plot_pareto
 from specserve.bench.spec_decode import default_configs
 from specserve.cli_args import int_list
 from specserve.core.spec_stats import SpecStats
+from specserve.layers.weight_storage import weight_tensors
 from specserve.models.loader import load_model
 from specserve.platform import resolve_platform
 from specserve.worker.cuda_graphs import graph_config
@@ -61,6 +64,7 @@ from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_
 
 BLOCK = 16
 KS = range(1, 17)
+QUANTIZATIONS = ("int4", "int8")
 PERIOD = 32  # tokens of the random block a prompt repeats
 _QWEN3 = dict(rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1_000_000.0)
 SHAPES = {  # text configs of the released models (transformers.Qwen3Config keys)
@@ -132,8 +136,16 @@ def config_dir(config, directory: Path) -> str:
 
 
 def decode_bytes(model, context: int, dtype: torch.dtype) -> int:
-    """What one decode step reads: every weight but the input embedding's unread rows, and the KV cache."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (tied ones once)
+    """What one decode step reads: every weight (quantized layers' buffers too; a storage once, so tied
+    weights and fused or stacked layers' views count once) but the input embedding's unread rows, and the
+    KV cache."""
+    sizes = {}
+    for t in weight_tensors(model):
+        if t.is_mkldnn:  # oneDNN's packed fp32 weights (the CPU's): opaque, a storage of their own
+            sizes[id(t)] = t.numel() * t.element_size()
+        else:
+            sizes[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    weights = sum(sizes.values())
     if not model.config.tie_word_embeddings:
         embedding = model.input_embedding().weight
         weights -= embedding.numel() * embedding.element_size()
@@ -157,6 +169,29 @@ def engine_timings(model, platform, dtype: torch.dtype, context: int, repeats: i
 
     costs = {k: timed(verify(k), device, repeats) for k in KS}
     return {"decode_s": costs[1], "verify_s": costs}
+
+
+def quantized_timings(
+    args, workdir: Path, platform, dtype: torch.dtype, bandwidth: float, eager: bool
+) -> dict:
+    """Batch-1 decode and T(8) / T(1) of a `--draft-shape` model with dense (`dtype`), int4 and int8
+    weights (random ones, quantized on the host as a checkpoint's are), each decode as a share of the
+    roofline of the bytes it reads: the quantized linears against the dense ones."""
+    model_dir = config_dir(transformers.Qwen3Config(**SHAPES[args.draft_shape]), workdir / "quantized")
+    by_weights = {}
+    for quantization in (None, *QUANTIZATIONS):
+        model, _, _ = load_model(
+            model_dir, dtype, platform=platform, load_format="dummy", quantization=quantization
+        )
+        timings = engine_timings(model, platform, dtype, args.context, args.repeats, eager)
+        by_weights[quantization or args.dtype] = {
+            "decode_tokens_per_s": 1 / timings["decode_s"],
+            "roofline_share": decode_bytes(model, args.context, dtype) / timings["decode_s"] / bandwidth,
+            "verify_ratio_8": timings["verify_s"][8] / timings["decode_s"],
+        }
+        del model
+        release_memory()
+    return {"shape": args.draft_shape, "by_weights": by_weights}
 
 
 def transformers_decode_s(config, dtype: torch.dtype, device: torch.device, context: int, new: int) -> float:
@@ -278,6 +313,10 @@ def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = 
     save(result)
     del model
     release_memory()
+    if not args.no_quantized:  # with CUDA graphs where the platform captures them
+        eager = next(iter(modes.values()))
+        result["quantized"] = quantized_timings(args, workdir, platform, dtype, bandwidth, eager)
+        save(result)
     for mode, eager in modes.items():
         served = result["runs"][mode]["serving"] = {}
         for c in args.concurrency:
@@ -359,6 +398,16 @@ def report(result: dict) -> str:
             f"[{mode}] T(k)/T(1): " + "  ".join(f"{k}: {r:.2f}" for k, r in run["verify_ratio"].items())
         )
         lines.append(_serving_line(mode, result, run["serving"]))
+    quantized = result.get("quantized")
+    if quantized:
+        points = [
+            f"{name}: {f['decode_tokens_per_s']:.1f} ({f['roofline_share']:.0%}, {f['verify_ratio_8']:.2f})"
+            for name, f in quantized["by_weights"].items()
+        ]
+        lines.append(
+            f"[{quantized['shape']}, by weights] batch-1 decode tokens/s (roofline share, T(8)/T(1)): "
+            + "  ".join(points)
+        )
     spec = result.get("speculative")
     if spec:
         lines.append(f"[speculation, k={spec['k']}, {spec['draft_shape']} draft] {spec['note']}")
@@ -448,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
         "--budget-s", type=float, default=None, help="start no speculative run after this many seconds"
     )
     parser.add_argument("--no-speculation", action="store_true")
+    parser.add_argument(
+        "--no-quantized", action="store_true", help="skip the int4 / int8 decode of a --draft-shape model"
+    )
     parser.add_argument(
         "--out", default=None, help="directory for gpu-bench.json, verify-cost.png and pareto.png"
     )
