@@ -75,6 +75,12 @@ class Platform:
             return self
         return replace(self, device=torch.device("cuda", self.device.index + local_rank))
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device: a GPU runs kernels after their launch returns, so a
+        timing without it measures the launches."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
     def make_current(self) -> None:
         """Make this GPU the process's current device: NCCL's communicators and Triton's launches use it."""
         if self.is_cuda:

@@ -313,21 +313,27 @@ def test_profile_command_measures_and_saves_a_usable_table(tiny_model_dir, tmp_p
 
 
 def test_the_target_table_times_warm_forwards_and_never_falls_as_b_grows(monkeypatch):
-    """Fake forwards on a fake clock: the first two at B = 1 are slow (weights paged in); the first is
-    not timed and the median of three drops the second. B = 2 measured slower than B = 4 (disturbance)
-    and takes B = 4's time: a larger batch never takes less."""
+    """Fake forwards on a fake clock, run by a fake GPU: a forward only queues its work (as a launch
+    returns at once), which the device's synchronize does; the timings wait for it. The first two at B = 1
+    are slow (weights paged in); the first is not timed and the median of three drops the second. B = 2
+    measured slower than B = 4 (disturbance) and takes B = 4's time: a larger batch never takes less."""
     from types import SimpleNamespace
 
     from specserve.spec_decode import profiler
 
-    clock = [0.0]
+    clock, queued = [0.0], []
     seconds = {1: [9.0, 9.0, 0.25, 0.25], 2: [0.4] * 3, 3: [0.35] * 3, 4: [0.3] * 3}
 
     def forward(pieces, rows):
-        clock[0] += seconds[sum(len(p.token_ids) for p in pieces)].pop(0)
+        queued.append(seconds[sum(len(p.token_ids) for p in pieces)].pop(0))
+
+    def synchronize():
+        clock[0] += sum(queued)
+        queued.clear()
 
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
     target = SimpleNamespace(
+        platform=SimpleNamespace(synchronize=synchronize),
         max_model_len=1024,
         max_num_seqs=2,
         max_num_batched_tokens=2048,

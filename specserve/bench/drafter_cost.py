@@ -10,7 +10,6 @@ block rows, the LM head over them, and the Markov head + sampling B times.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from specserve.layers.linear import pack_linears
 from specserve.spec_decode.deepspec.checkpoint import build_draft_model, init_draft_weights
 from specserve.spec_decode.deepspec.config import default_mask_token, new_draft_config
 from specserve.spec_decode.drafters.dspark import DSparkDrafter
-from specserve.spec_decode.profiler import fake_requests, prime_drafter, time_draft_round
+from specserve.spec_decode.profiler import fake_requests, prime_drafter, seconds, time_draft_round
 from specserve.worker.model_runner import PieceInput
 
 
@@ -41,12 +40,6 @@ class CostRow:
 
 def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def mask_token_or_last(engine: LLMEngine) -> int:
@@ -98,17 +91,19 @@ def measure_round(
     """Median ms of a drafting round, its verification forward, and a plain decode step."""
     block_size = drafter.block_size
     seqs = fake_requests(num_requests, context, engine.vocab_size)
-    prime_drafter(drafter, seqs, block_size)
+    platform = engine.config.platform
+    prime_drafter(drafter, seqs, block_size, platform)
     # Target pieces: each request its own blocks, its context "cached" (the values do not matter).
     per_request = -(-(context + block_size + 1) // engine.config.block_size)
     tables = [list(range(r * per_request, (r + 1) * per_request)) for r in range(num_requests)]
     verify = [PieceInput([5] * (block_size + 1), context, t) for t in tables]
     decode = [PieceInput([5], context, t) for t in tables]
+    verify_rows = range(len(verify) * (block_size + 1))
     draft_s, verify_s, decode_s = [], [], []
     for _ in range(repeats):
-        draft_s.append(time_draft_round(drafter, seqs, block_size))
-        verify_s.append(_timed(lambda: engine.runner.forward(verify, range(len(verify) * (block_size + 1)))))
-        decode_s.append(_timed(lambda: engine.runner.forward(decode, range(len(decode)))))
+        draft_s.append(time_draft_round(drafter, seqs, block_size, platform))
+        verify_s.append(seconds(lambda: engine.runner.forward(verify, verify_rows), platform))
+        decode_s.append(seconds(lambda: engine.runner.forward(decode, range(len(decode))), platform))
     for seq in seqs:
         drafter.group.free(seq.request_id)
     return _median_ms(draft_s), _median_ms(verify_s), _median_ms(decode_s)

@@ -58,7 +58,7 @@ from specserve.cli_args import int_list
 from specserve.core.spec_stats import SpecStats
 from specserve.layers.weight_storage import weight_tensors
 from specserve.models.loader import load_model
-from specserve.platform import resolve_platform
+from specserve.platform import Platform, resolve_platform
 from specserve.worker.cuda_graphs import graph_config
 from specserve.worker.model_runner import ModelRunner, PieceInput, kv_bytes_per_block
 
@@ -103,29 +103,24 @@ SHAPES = {  # text configs of the released models (transformers.Qwen3Config keys
 }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
+def timed(fn, platform: Platform, repeats: int) -> float:
     """Median seconds of `fn()` (one warm-up call first)."""
     fn()
     times = []
     for _ in range(repeats):
-        synchronize(device)
+        platform.synchronize()
         start = time.perf_counter()
         fn()
-        synchronize(device)
+        platform.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
+def copy_bandwidth(platform: Platform, num_bytes: int, repeats: int) -> float:
     """Bytes read + written per second by a device-to-device copy of `num_bytes`."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=platform.device)
     dst = torch.empty_like(src)
-    return 2 * num_bytes / timed(lambda: dst.copy_(src), device, repeats)
+    return 2 * num_bytes / timed(lambda: dst.copy_(src), platform, repeats)
 
 
 def config_dir(config, directory: Path) -> str:
@@ -155,7 +150,6 @@ def decode_bytes(model, context: int, dtype: torch.dtype) -> int:
 def engine_timings(model, platform, dtype: torch.dtype, context: int, repeats: int, eager: bool) -> dict:
     """Batch-1 decode and T(k) at a cached `context`, on specserve's runner (through CUDA graphs unless
     `eager`, where the platform captures them)."""
-    device = platform.device
     table = list(range(-(-(context + max(KS)) // BLOCK)))
     graphs = graph_config(platform, eager, model, max(KS), 1, max(KS), len(table))
     runner = ModelRunner(model, len(table), BLOCK, dtype, graphs=graphs)
@@ -167,7 +161,7 @@ def engine_timings(model, platform, dtype: torch.dtype, context: int, repeats: i
         piece = PieceInput(prompt[:k], context, table, checkpoint=True)
         return lambda: runner.forward([piece], list(range(k))).logits.argmax(-1)
 
-    costs = {k: timed(verify(k), device, repeats) for k in KS}
+    costs = {k: timed(verify(k), platform, repeats) for k in KS}
     return {"decode_s": costs[1], "verify_s": costs}
 
 
@@ -194,18 +188,18 @@ def quantized_timings(
     return {"shape": args.draft_shape, "by_weights": by_weights}
 
 
-def transformers_decode_s(config, dtype: torch.dtype, device: torch.device, context: int, new: int) -> float:
+def transformers_decode_s(config, dtype: torch.dtype, platform: Platform, context: int, new: int) -> float:
     """Seconds per decoded token of transformers' eager greedy `generate` with a static cache."""
-    with torch.device(device):
+    with torch.device(platform.device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    ids = torch.randint(0, config.vocab_size, (1, context), device=device)
+    ids = torch.randint(0, config.vocab_size, (1, context), device=platform.device)
 
     def generate(n: int):
         return lambda: model.generate(
             ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static"
         )
 
-    one, many = timed(generate(1), device, 2), timed(generate(new), device, 2)
+    one, many = timed(generate(1), platform, 2), timed(generate(new), platform, 2)
     return (many - one) / (new - 1)
 
 
@@ -234,18 +228,18 @@ def serve(
         max_model_len=args.input_len + args.output_len,
         speculative_config=speculative,
     )
-    vocab, device = llm.engine.vocab_size, llm.engine.config.platform.device
+    vocab, platform = llm.engine.vocab_size, llm.engine.config.platform
     prompts = repeating_prompts(vocab, concurrency, args.input_len, seed=concurrency)
     # Warm-up at the same concurrency, on prompts of their own (no prefix to reuse): the kernels compile
     # and the decode and verification steps' graphs are captured outside the timing.
     warm = repeating_prompts(vocab, concurrency, min(args.input_len, 2 * PERIOD), seed=2**20 + concurrency)
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    synchronize(device)
+    platform.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     )
-    synchronize(device)
+    platform.synchronize()
     seconds = time.perf_counter() - start
     del llm
     release_memory()  # the next engine's cache budget is measured from what is allocated
@@ -289,7 +283,7 @@ def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = 
     device, dtype = platform.device, getattr(torch, args.dtype)
     config = transformers.Qwen3Config(**SHAPES[args.shape])
     model_dir = config_dir(config, workdir / args.shape)
-    bandwidth = copy_bandwidth(device, args.copy_bytes, args.repeats)
+    bandwidth = copy_bandwidth(platform, args.copy_bytes, args.repeats)
     model, _, _ = load_model(model_dir, dtype, platform=platform, load_format="dummy")
     read_bytes = decode_bytes(model, args.context, dtype)
     result = {
@@ -323,7 +317,7 @@ def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = 
             served[c] = serve(model_dir, args, c, eager)
             save(result)
     if not args.no_transformers:
-        hf_s = transformers_decode_s(config, dtype, device, args.context, args.new_tokens)
+        hf_s = transformers_decode_s(config, dtype, platform, args.context, args.new_tokens)
         result["transformers_tokens_per_s"] = 1 / hf_s
         for run in result["runs"].values():
             run["vs_transformers"] = run["decode_tokens_per_s"] * hf_s

@@ -31,6 +31,7 @@ from specserve.config import SamplingParams
 from specserve.core.cache_coordinator import CacheCoordinator
 from specserve.core.cache_groups import PagedEntry, StateGroup
 from specserve.core.sequence import Sequence
+from specserve.platform import Platform
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.cost_profile import DEFAULT_CONTEXT, CostProfile
 from specserve.spec_decode.drafters import Drafter
@@ -53,13 +54,18 @@ def coarse_grid(cap: int) -> list[int]:
     return [*grid, cap]
 
 
-def median_seconds(run: Callable[[], None], repeats: int = REPEATS) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+def seconds(run: Callable[[], object], platform: Platform) -> float:
+    """Seconds of `run()` until the device has done its work too (`Platform.synchronize`: on a GPU a step
+    returns once it is launched)."""
+    platform.synchronize()
+    start = time.perf_counter()
+    run()
+    platform.synchronize()
+    return time.perf_counter() - start
+
+
+def median_seconds(run: Callable[[], object], platform: Platform, repeats: int = REPEATS) -> float:
+    return sorted(seconds(run, platform) for _ in range(repeats))[repeats // 2]
 
 
 def fake_requests(num_requests: int, context: int, vocab_size: int) -> list[Sequence]:
@@ -70,18 +76,16 @@ def fake_requests(num_requests: int, context: int, vocab_size: int) -> list[Sequ
     ]
 
 
-def prime_drafter(drafter, seqs: list, num_tokens: int) -> float:
+def prime_drafter(drafter, seqs: list, num_tokens: int, platform: Platform) -> float:
     """Hand a drafter its requests' prompts (random target features for hidden-state drafters) and run
     the first round, which also processes those prompts; its seconds."""
     if drafter.capture_layers:
         for seq in seqs:
             drafter.observe(seq, 0, torch.randn(seq.num_tokens - 1, drafter.feature_width))
-    begin = time.perf_counter()
-    drafter.propose(seqs, num_tokens)
-    return time.perf_counter() - begin
+    return seconds(lambda: drafter.propose(seqs, num_tokens), platform)
 
 
-def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
+def time_draft_round(drafter, seqs: list, num_tokens: int, platform: Platform) -> float:
     """Seconds of one drafting round after each request gained ACCEPTED_PER_ROUND tokens (hidden-state
     drafters get random target features for them: their cost does not depend on the values)."""
     width = drafter.feature_width if drafter.capture_layers else 0
@@ -90,9 +94,7 @@ def time_draft_round(drafter, seqs: list, num_tokens: int) -> float:
         seq.output_token_ids += [7] * ACCEPTED_PER_ROUND
         if width:
             drafter.observe(seq, start, torch.randn(ACCEPTED_PER_ROUND, width))
-    begin = time.perf_counter()
-    drafter.propose(seqs, num_tokens)
-    return time.perf_counter() - begin
+    return seconds(lambda: drafter.propose(seqs, num_tokens), platform)
 
 
 class CostProfiler:
@@ -229,7 +231,7 @@ class CostProfiler:
         self.runner.forward(pieces, range(b))  # logits at every row, as verification needs
 
     def _time_target(self, b: int) -> float:
-        return median_seconds(lambda: self._forward(b))
+        return median_seconds(lambda: self._forward(b), self.target.platform)
 
     def _probes(self) -> list[int]:
         """The next B values: after the coarse grid, every gap's geometric middle; after a round of probes,
@@ -260,9 +262,10 @@ class CostProfiler:
             return False
         seqs = fake_requests(r, prompt, self.target.vocab_size)
         try:
-            primed = prime_drafter(self.drafter, seqs, self.num_draft_tokens)
+            platform = self.target.platform
+            primed = prime_drafter(self.drafter, seqs, self.num_draft_tokens, platform)
             rounds = [
-                time_draft_round(self.drafter, seqs, self.num_draft_tokens)
+                time_draft_round(self.drafter, seqs, self.num_draft_tokens, platform)
                 for _ in range(1 if catch_up else REPEATS)
             ]
         finally:
