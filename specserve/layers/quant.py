@@ -688,8 +688,8 @@ def quantize_model(
     `QUANTIZE_HEAD` (int4: quantized; int8: fp32). A head tied to the embedding gets its own quantized
     copy; the embedding itself stays fp32 (a lookup reads one row per token). Usable on a draft model on
     its own, independently of the target. `fuse=False` leaves the fusing to the caller (models/prepare.py
-    caches the layers unfused first). `use_kernel`: the layers' (`Int4Linear`), the platform's
-    `quantized_layout`.
+    caches the layers unfused first). `use_kernel`: whether the layers take specserve's kernel layout
+    (`_use_kernel`; the platform's `quantized_layout`).
     """
     count = 0
     for names in list(quantizable_linears(model, mode, lm_head)):
