@@ -82,6 +82,27 @@ def test_kernel_computes_the_layers_weight(kind, group, dtype):
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_k_split_into_slices_sums_what_one_pass_does(kind, monkeypatch):
+    """A launch with few programs (a small layer at decode) splits K into 8 slices, added afterwards: the
+    same result as one pass over K (the bias added once), to fp32 rounding."""
+    linear = layer(kind, 512, 32)
+    run = triton_qlinear.int4_linear if kind == "int4" else triton_qlinear.int8_linear
+    x = torch.randn(3, 512, device=DEVICE)
+    split = run(x, *buffers(linear), linear.bias.to(DEVICE))
+    monkeypatch.setattr(triton_qlinear, "MIN_PROGRAMS", 1)
+    whole = run(x, *buffers(linear), linear.bias.to(DEVICE))
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    assert_close(split, reference(x, linear))
+
+
+def test_k_splits_fill_a_launch_with_slices_that_divide_its_steps():
+    assert triton_qlinear.k_splits(16, 16) == 8  # at most MAX_SPLITS
+    assert triton_qlinear.k_splits(100, 16) == 4  # 400 programs: enough
+    assert triton_qlinear.k_splits(100, 6) == 2  # 6 steps: not in 4 slices
+    assert triton_qlinear.k_splits(300, 16) == triton_qlinear.k_splits(1, 5) == 1
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_grouped_call_gives_each_layers_rows_its_own_result(kind):
     """Rows sorted by layer through stacked buffers, a layer without rows among them: each row as its
     layer's own dense call computes it."""

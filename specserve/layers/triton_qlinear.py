@@ -9,10 +9,12 @@ and multiplied on the tensor cores with fp32 sums (w4a16 / w8a16, as Marlin or G
 CPU kernel quantizes activations to int8 as well; this one does not, so the two agree to a few activation
 roundings, not bitwise.
 
-One program computes BLOCK_M rows x BLOCK_N outputs over the whole K in order. Grouped calls (a mixture of
-experts' routed rows, sorted by expert) give each expert as many programs as a dense call of all the rows
-would; those past its rows return at once, so the launch depends on the row count alone (a CUDA graph
-replays it) and reads no count on the host.
+One program computes BLOCK_M rows x BLOCK_N outputs over K in order; a dense call with too few programs to
+fill the GPU (a small layer at decode) splits K into slices of programs of their own, whose fp32 sums are
+added afterwards in a fixed order (`k_splits`: so the sums' order depends on the call's size, as cuBLAS's
+does). Grouped calls (a mixture of experts' routed rows, sorted by expert) give each expert as many programs
+as a dense call of all the rows would; those past its rows return at once, so the launch depends on the row
+count alone (a CUDA graph replays it) and reads no count on the host.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from specserve.layers.triton_dots import INTERPRETED, cast, dot
 TILE = 16  # output channels per tile of the kernel layout (quant.N_MULTIPLE)
 LINE = 64  # bytes per line of a tile: 4 inputs x 16 channels (int4: two lines, low and high nibbles)
 GROUPS_PER_SUPER = 8  # int4 groups sharing one d and dmin (quant.GROUPS_PER_SUPER)
+BLOCK_N = 64  # outputs a program
+MIN_PROGRAMS = 256  # a launch's programs, K split where it has fewer: about two for each SM of an H100 (132)
+MAX_SPLITS = 8
 
 
 def int4_linear(x, packed, scales, supers, bias=None) -> torch.Tensor:
@@ -56,22 +61,38 @@ def _launch(x, counts, bias, packed, scales, supers) -> torch.Tensor:
     rows = x.reshape(-1, K)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = rows.new_empty(rows.shape[0], N)
-    if rows.shape[0] == 0:
-        return out.reshape(*x.shape[:-1], N)
-    block_m = 16 if rows.shape[0] <= 64 else 64
+    M = rows.shape[0]
+    if M == 0:
+        return rows.new_empty(*x.shape[:-1], N)
+    block_m, block_k = (16 if M <= 64 else 64), min(group_size, 64)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32) if grouped else None
-    tiles_per_layer = triton.cdiv(rows.shape[0], block_m)
-    grid = (layers * tiles_per_layer, triton.cdiv(N, 64))
+    tiles_per_layer = triton.cdiv(M, block_m)
+    grid = (layers * tiles_per_layer, triton.cdiv(N, BLOCK_N))
+    splits = 1 if grouped else k_splits(grid[0] * grid[1], K // block_k)
+    # split: fp32 partial sums a split, added below in a fixed order (then the bias, then the rounding)
+    out = rows.new_empty(M, N) if splits == 1 else rows.new_empty(splits, M, N, dtype=torch.float32)
     layer_strides = [t.stride(0) if grouped else 0 for t in (packed, scales, supers if int4 else scales)]
-    _quantized_linear_kernel[grid](
+    _quantized_linear_kernel[(*grid, splits)](
         rows, out, bias, offsets, packed, scales, supers if int4 else scales,
-        rows.shape[0], N, K, tiles_per_layer, rows.stride(0), out.stride(0), *layer_strides,
-        INT4=int4, GROUPED=grouped, HAS_BIAS=bias is not None, GROUP=group_size,
+        M, N, K, K // splits, tiles_per_layer, rows.stride(0), out.stride(-2), M * N, *layer_strides,
+        INT4=int4, GROUPED=grouped, HAS_BIAS=bias is not None and splits == 1, GROUP=group_size,
         SUPERS=triton.cdiv(K // group_size, GROUPS_PER_SUPER),
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=min(group_size, 64), WIDEN=INTERPRETED,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, WIDEN=INTERPRETED,
     )  # fmt: skip
+    if splits > 1:
+        out = out.sum(0)
+        out = (out if bias is None else out + bias.float()).to(x.dtype)
     return out.reshape(*x.shape[:-1], N)
+
+
+def k_splits(programs: int, k_steps: int) -> int:
+    """Into how many slices of K a launch of `programs` programs splits its sums (a power of two dividing
+    its `k_steps` steps, at most MAX_SPLITS): enough for MIN_PROGRAMS programs. A small layer at decode
+    (Qwen3-0.6B's o_proj, 1024 outputs: 16 programs) would leave most of a GPU's SMs idle."""
+    splits = 1
+    while programs * splits < MIN_PROGRAMS and splits < MAX_SPLITS and k_steps % (2 * splits) == 0:
+        splits *= 2
+    return splits
 
 
 @triton.jit
@@ -103,7 +124,7 @@ def _int8_tile(packed, scales, k, group, tile, channel, live, K, GROUP: tl.const
 @triton.jit
 def _quantized_linear_kernel(
     x, out, bias, offsets, packed, groups, supers,
-    M, N, K, tiles_per_layer, x_stride, out_stride,
+    M, N, K, k_per_split, tiles_per_layer, x_stride, out_stride, out_split_stride,
     packed_layer_stride, groups_layer_stride, supers_layer_stride,
     INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
     SUPERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -127,7 +148,8 @@ def _quantized_linear_kernel(
         live = n < N
         tile, channel = n // 16, n % 16
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k_start in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP: a step lies in one group
+        k_first = tl.program_id(2) * k_per_split  # this program's slice of K (`k_splits`)
+        for k_start in range(k_first, k_first + k_per_split, BLOCK_K):  # a step lies in one group
             k = k_start + tl.arange(0, BLOCK_K)
             x_at = row[:, None].to(tl.int64) * x_stride + k[None, :]
             x_tile = tl.load(x + x_at, mask=row_live[:, None], other=0.0)
@@ -139,5 +161,6 @@ def _quantized_linear_kernel(
             acc = dot(x_tile, cast(w, x_tile.dtype, WIDEN), acc, WIDEN)
         if HAS_BIAS:
             acc += tl.load(bias + n, mask=live, other=0).to(tl.float32)[None, :]
-        out_at = row[:, None].to(tl.int64) * out_stride + n[None, :]
+        out_at = tl.program_id(2).to(tl.int64) * out_split_stride + row[:, None].to(tl.int64) * out_stride
+        out_at += n[None, :]
         tl.store(out + out_at, cast(acc, out.dtype.element_ty, WIDEN), mask=row_live[:, None] & live[None, :])
