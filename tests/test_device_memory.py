@@ -203,6 +203,11 @@ def test_the_engine_sets_the_drafters_share_aside_with_the_targets(
     measured = iter([1])
     LLM(target_dir, max_model_len=128, max_num_seqs=4, speculative_config={"method": "ngram"})
     assert asked[-1] == 1
+    # Split over two ranks, the probe sees its shard of the head: the gathered logits come on top
+    measured = iter([1])
+    llm = LLM(target_dir, max_model_len=128, max_num_seqs=4, tensor_parallel_size=2, dtype="float32")
+    assert asked[-1] == 1 + 2 * 4 * vocab * 4  # a decode row per request, fp32
+    llm.engine.close()
 
 
 @pytest.mark.gpu

@@ -126,6 +126,10 @@ class LLMEngine:
             # time than the target's, but what a round leaves (its drafts' q rows) lives through the
             # target's forward, so the sum is the simple bound.
             activations += spec.activation_bytes() if spec is not None else 0
+            if self.parallel is not None:
+                # The probe ran on this rank's shard alone: a split head's logits come all-gathered (every
+                # rank's part, then their concatenation: the whole vocabulary's rows twice).
+                activations += 2 * rows * self.vocab_size * config.torch_dtype.itemsize
             device = next(self.model.parameters()).device
             budget = device_cache_budget(device, config.gpu_memory_utilization, activations)
             budget_text = (
