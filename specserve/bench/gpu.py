@@ -17,7 +17,8 @@ ones), each figure against one measured in the same run:
 - the same serving with speculation (`--spec-concurrency`, default `--concurrency`; `--spec-k` drafts a
   round): a `--draft-shape` draft model (Qwen3-0.6B's) and the n-gram drafter, beside plain decoding: per
   device, per user, and the share of drafts accepted (also drawn: pareto.png, tokens/s per user against
-  per device). `--budget-s` starts no speculative run once that many seconds have passed.
+  per device). `--budget-s` starts no speculative run (nor the quantized timings, which come last) once
+  that many seconds have passed.
 
 The weights are random (`load_format="dummy"`: the engine reads config.json alone), the draft model's too:
 it is unrelated to the target, so it accepts next to nothing, and its figures are the cost of speculation
@@ -307,10 +308,6 @@ def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = 
     save(result)
     del model
     release_memory()
-    if not args.no_quantized:  # with CUDA graphs where the platform captures them
-        eager = next(iter(modes.values()))
-        result["quantized"] = quantized_timings(args, workdir, platform, dtype, bandwidth, eager)
-        save(result)
     for mode, eager in modes.items():
         served = result["runs"][mode]["serving"] = {}
         for c in args.concurrency:
@@ -322,10 +319,10 @@ def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = 
         for run in result["runs"].values():
             run["vs_transformers"] = run["decode_tokens_per_s"] * hf_s
         save(result)
+    deadline = started + args.budget_s if args.budget_s is not None else float("inf")
     if not args.no_speculation:
         draft_dir = config_dir(transformers.Qwen3Config(**SHAPES[args.draft_shape]), workdir / "draft")
         mode = next(iter(modes))  # with CUDA graphs where the platform captures them
-        deadline = started + args.budget_s if args.budget_s is not None else float("inf")
         result["speculative"] = speculation(
             model_dir,
             draft_dir,
@@ -335,6 +332,10 @@ def run(args: argparse.Namespace, workdir: Path, save: Callable[[dict], None] = 
             deadline,
             lambda spec: save(result | {"speculative": spec}),
         )
+    if not args.no_quantized and time.monotonic() < deadline:  # last: the figures come first
+        eager = next(iter(modes.values()))  # with CUDA graphs where the platform captures them
+        result["quantized"] = quantized_timings(args, workdir, platform, dtype, bandwidth, eager)
+        save(result)
     return result
 
 
@@ -488,7 +489,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec-k", type=int, default=4, help="draft tokens a round")
     parser.add_argument("--spec-concurrency", type=int_list, default=None, help="default: --concurrency")
     parser.add_argument(
-        "--budget-s", type=float, default=None, help="start no speculative run after this many seconds"
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no speculative run (nor the quantized timings) after this many seconds",
     )
     parser.add_argument("--no-speculation", action="store_true")
     parser.add_argument(
