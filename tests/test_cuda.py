@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from specserve import LLM, SamplingParams
 from specserve.models.loader import load_model
-from specserve.platform import resolve_platform
+from specserve.platform import CPU, Platform, resolve_platform
 from specserve.worker.model_runner import ModelRunner, PieceInput
 from tests.test_lossless import (  # noqa: F401 (models, drafters: fixtures)
     CASES,
@@ -39,8 +39,10 @@ PIECES = [  # a prompt chunk, a cached sequence's decode row and a verification 
 ]
 
 
-def _logits(model_dir: str, device: str, dtype: torch.dtype, quantization: str | None = None) -> torch.Tensor:
-    platform = resolve_platform(device)
+def forward_logits(
+    model_dir: str, platform: Platform, dtype: torch.dtype, quantization: str | None = None
+) -> torch.Tensor:
+    """The logits of PIECES' last rows in one forward (after one that caches their prefixes), on the CPU."""
     model, _, _ = load_model(model_dir, dtype=dtype, platform=platform, quantization=quantization)
     runner = ModelRunner(model, num_blocks=8, block_size=16, dtype=dtype, num_state_slots=3)
     # the cached prefixes the decode row and the block read (KV, recurrent states): a first forward's
@@ -55,15 +57,20 @@ def _logits(model_dir: str, device: str, dtype: torch.dtype, quantization: str |
     [(arch, torch.bfloat16) for arch in FAMILIES] + [("qwen3", torch.float16), ("qwen3_5", torch.float16)],
 )
 def test_every_family_on_cuda_matches_the_cpu_fp32_reference(tiny_model_dir, arch, dtype):
-    """bf16 (and fp16) on the GPU against fp32 on the CPU: close in value (bf16's 8 bits of mantissa over a
-    few layers) and the same top-1 token wherever the reference's top two are not within that error."""
-    reference = _logits(str(tiny_model_dir(arch)), "cpu", torch.float32)
-    cuda = _logits(str(tiny_model_dir(arch)), "cuda", dtype)
+    """bf16 (and fp16) on the GPU against fp32 on the CPU (`assert_close_to_reference`)."""
+    reference = forward_logits(str(tiny_model_dir(arch)), CPU, torch.float32)
+    cuda = forward_logits(str(tiny_model_dir(arch)), resolve_platform("cuda"), dtype)
+    assert_close_to_reference(cuda, reference)
+
+
+def assert_close_to_reference(logits: torch.Tensor, reference: torch.Tensor) -> None:
+    """Close in value (5% of the largest logit: bf16's 8 bits of mantissa over a few layers) and the same
+    top-1 token wherever the reference's top two are not within that error."""
     scale = reference.abs().max()
-    assert (cuda - reference).abs().max() < 0.05 * scale
+    assert (logits - reference).abs().max() < 0.05 * scale
     top2 = reference.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
-    assert torch.equal(cuda.argmax(-1)[clear], reference.argmax(-1)[clear])
+    assert torch.equal(logits.argmax(-1)[clear], reference.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -71,15 +78,10 @@ def test_every_family_on_cuda_matches_the_cpu_fp32_reference(tiny_model_dir, arc
 def test_quantized_models_on_cuda_match_the_cpu_kernels(tiny_model_dir, arch, mode):
     """The same int4 / int8 weights (specserve's kernel layout, fused projections, stacked experts) on the
     GPU's Triton kernel, bf16 activations, against the CPU's layers in fp32 (specserve's kernel, which also
-    rounds activations to int8 per block, where it is built): close, and the same top-1 where the
-    reference's is clear."""
-    reference = _logits(str(tiny_model_dir(arch)), "cpu", torch.float32, mode)
-    cuda = _logits(str(tiny_model_dir(arch)), "cuda", torch.bfloat16, mode)
-    scale = reference.abs().max()
-    assert (cuda - reference).abs().max() < 0.05 * scale
-    top2 = reference.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
-    assert torch.equal(cuda.argmax(-1)[clear], reference.argmax(-1)[clear])
+    rounds activations to int8 per block, where it is built; `assert_close_to_reference`)."""
+    reference = forward_logits(str(tiny_model_dir(arch)), CPU, torch.float32, mode)
+    cuda = forward_logits(str(tiny_model_dir(arch)), resolve_platform("cuda"), torch.bfloat16, mode)
+    assert_close_to_reference(cuda, reference)
 
 
 def test_greedy_ngram_speculation_on_cuda_agrees_with_plain_greedy(tiny_model_dir, record_property):

@@ -25,7 +25,9 @@ from specserve.layers.quant import (  # noqa: E402
 )
 from specserve.layers.weight_storage import move_storages, weight_tensors  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
+from specserve.platform import CPU, Platform  # noqa: E402
 from tests.h100_compile import H100_SHARED_MEMORY, run_uninterpreted, shared_memory_for_h100  # noqa: E402
+from tests.test_cuda import assert_close_to_reference, forward_logits  # noqa: E402
 from tests.test_kernels import random_int4, random_int8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,3 +227,54 @@ def test_a_view_moves_with_the_span_it_uses_only():
     assert view.untyped_storage().nbytes() <= 20 * 4 + 16
     assert torch.equal(view, torch.arange(1000, 1010, dtype=torch.float32))
     assert torch.equal(neighbour.view(torch.float32), torch.arange(1005, 1020, dtype=torch.float32))
+
+
+class InterpretedCuda(Platform):
+    """What `place` does for a GPU, on CPU tensors: its CUDA branch (weights moved a storage at a time,
+    Triton's attention and quantized linears installed), the kernels interpreted."""
+
+    is_cuda = True
+
+    def groups_on_device(self, dtype: torch.dtype) -> bool:
+        return False  # torch._grouped_mm's device-side path is a GPU's
+
+
+class WithoutQuantizedOps:
+    """specserve's CPU ops but the quantized linears' (`torch.ops.specserve` while a model placed for CUDA
+    runs: a layer the placement left on them fails)."""
+
+    def __init__(self):
+        self.ops = getattr(torch.ops, "specserve", None)
+
+    def __getattr__(self, name: str):
+        if name.startswith(("int4_", "int8_")):
+            raise AssertionError(f"{name}: a CPU op in a model placed for CUDA")
+        return getattr(self.ops, name)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tier runs the real thing")
+@pytest.mark.parametrize("arch, mode", [("qwen3", "int4"), ("qwen3_moe", "int8")])
+def test_a_quantized_model_placed_as_for_cuda_computes_as_on_the_cpu(tiny_model_dir, monkeypatch, arch, mode):
+    """A prompt chunk, a decode row and a verification block in one forward of a quantized model placed
+    as for CUDA (fused projections and stacked experts on the Triton kernel, attention on Triton's) give
+    the logits the CPU's layers give, to the CPU kernel's rounding of activations."""
+    from specserve.layers import triton_attention
+
+    reference = forward_logits(str(tiny_model_dir(arch)), CPU, torch.float32, mode)
+    calls = {"dense": 0, "grouped": 0, "attention": 0}
+
+    def launch(x, counts, *args, real=triton_qlinear._launch):
+        calls["dense" if counts is None else "grouped"] += 1
+        return real(x, counts, *args)
+
+    def attention(*args, real=triton_attention.triton_paged_attention):
+        calls["attention"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(triton_qlinear, "_launch", launch)
+    monkeypatch.setattr(triton_attention, "triton_paged_attention", attention)
+    monkeypatch.setattr(torch.ops, "specserve", WithoutQuantizedOps(), raising=False)
+    platform = InterpretedCuda(torch.device("cpu"), "torch")  # (fla's kernels: tests/test_gdn_fla.py)
+    placed = forward_logits(str(tiny_model_dir(arch)), platform, torch.float32, mode)
+    assert_close_to_reference(placed, reference)
+    assert calls["dense"] and calls["attention"] and bool(calls["grouped"]) == (arch == "qwen3_moe")
