@@ -253,11 +253,12 @@ class WithoutQuantizedOps:
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tier runs the real thing")
-@pytest.mark.parametrize("arch, mode", [("qwen3", "int4"), ("qwen3_moe", "int8")])
+@pytest.mark.parametrize("arch, mode", [("qwen3", None), ("qwen3", "int4"), ("qwen3_moe", "int8")])
 def test_a_quantized_model_placed_as_for_cuda_computes_as_on_the_cpu(tiny_model_dir, monkeypatch, arch, mode):
-    """A prompt chunk, a decode row and a verification block in one forward of a quantized model placed
-    as for CUDA (fused projections and stacked experts on the Triton kernel, attention on Triton's) give
-    the logits the CPU's layers give, to the CPU kernel's rounding of activations."""
+    """A prompt chunk, a decode row and a verification block in one forward of a model placed as for CUDA
+    (attention on Triton's kernel; quantized: fused projections and stacked experts on the Triton
+    quantized linears) give the logits the CPU's layers give, to the CPU kernel's rounding of
+    activations."""
     from specserve.layers import triton_attention
 
     reference = forward_logits(str(tiny_model_dir(arch)), CPU, torch.float32, mode)
@@ -277,4 +278,5 @@ def test_a_quantized_model_placed_as_for_cuda_computes_as_on_the_cpu(tiny_model_
     platform = InterpretedCuda(torch.device("cpu"), "torch")  # (fla's kernels: tests/test_gdn_fla.py)
     placed = forward_logits(str(tiny_model_dir(arch)), platform, torch.float32, mode)
     assert_close_to_reference(placed, reference)
-    assert calls["dense"] and calls["attention"] and bool(calls["grouped"]) == (arch == "qwen3_moe")
+    assert calls["attention"] and bool(calls["dense"]) == (mode is not None)
+    assert bool(calls["grouped"]) == (arch == "qwen3_moe")
