@@ -147,7 +147,21 @@ class StepCommit:
     saves: list[StateCopy] = field(default_factory=list)
 
 
-def row_chunks(counts: Seq[int], limit: int) -> Iterator[list[tuple[int, int]]]:
+def catch_up_chunks(pending: Seq[int], keep: int, limit: int) -> Iterator[list[tuple[int, int]]]:
+    """A drafter's catch-up: of `pending[r]` rows of each request r, the excess over the `limit` rows one
+    forward may hold, each request's oldest rows first but its last `keep`, in chunks of at most `limit`
+    rows to process first, each a list of (request, rows); none when they all fit."""
+    excess = sum(pending) - limit
+    if excess <= 0:
+        return iter(())
+    counts = []
+    for n in pending:
+        counts.append(min(excess, n - keep))
+        excess -= counts[-1]
+    return _row_chunks(counts, limit)
+
+
+def _row_chunks(counts: Seq[int], limit: int) -> Iterator[list[tuple[int, int]]]:
     """`counts[r]` rows of each request r, in order, cut into chunks of at most `limit` rows: each a list
     of (request, rows)."""
     chunk, room = [], limit

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.batch import row_chunks, row_offsets
+from specserve.core.batch import catch_up_chunks, row_offsets
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec, StateCopy
 from specserve.core.proposal import DraftProposal, KeepDrafting
@@ -196,14 +196,7 @@ class DraftModelDrafter(Drafter):
         oldest committed tokens first, is fed beforehand in forwards of at most that many tokens, into its
         committed state; each request's newest token stays for the round (its logits draft d1)."""
         new = [seq.num_tokens - len(state.fed) for seq, state in zip(seqs, states)]
-        excess = sum(new) - self.max_forward_tokens
-        if excess <= 0:
-            return
-        counts = []
-        for n in new:
-            counts.append(min(excess, n - 1))
-            excess -= counts[-1]
-        for chunk in row_chunks(counts, self.max_forward_tokens):
+        for chunk in catch_up_chunks(new, 1, self.max_forward_tokens):
             pieces = []
             for r, n in chunk:
                 seq, state = seqs[r], states[r]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecserveError, SpeculativeConfig
-from specserve.core.batch import row_chunks, row_offsets
+from specserve.core.batch import catch_up_chunks, row_offsets
 from specserve.core.cache_coordinator import DrafterCaches, DrafterCacheSpec
 from specserve.core.cache_groups import PagedEntry, PagedGroup, PagedSpec
 from specserve.core.sequence import Sequence
@@ -266,14 +266,8 @@ class HiddenStateDrafter(Drafter):
         The excess, each request's oldest rows first, is written to the draft cache beforehand
         (`write_context`), in forwards of at most that many rows; a drafter that drafts from a request's
         newest row keeps it for the round. Every request's blocks must already cover its pending rows."""
-        excess = sum(st.num_pending for st in states) - self.max_forward_rows
-        if excess <= 0:
-            return
-        counts = []
-        for st in states:
-            counts.append(min(excess, st.num_pending - self.drafts_from_newest_row))
-            excess -= counts[-1]
-        for chunk in row_chunks(counts, self.max_forward_rows):
+        pending = [st.num_pending for st in states]
+        for chunk in catch_up_chunks(pending, self.drafts_from_newest_row, self.max_forward_rows):
             chunk_states = [states[r] for r, _ in chunk]
             lens = [n for _, n in chunk]
             rows = [f for st, n in zip(chunk_states, lens) for f in st.take_pending(n)]
