@@ -309,6 +309,14 @@ def test_a_named_function_is_the_one_called_once(client):
     check_calls(calls, {"get_time"})
 
 
+def test_a_forced_tool_without_parameters_takes_no_arguments(client):
+    # OpenAI: "omitting parameters defines a function with an empty parameter list".
+    ping = [{"type": "function", "function": {"name": "ping"}}]
+    for choice in ["required", {"type": "function", "function": {"name": "ping"}}]:
+        reply = ask(client, tools=ping, tool_choice=choice, parallel_tool_calls=False)
+        assert [c.function.arguments for c in reply.choices[0].message.tool_calls] == ["{}"]
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_stream_carries_the_calls_of_the_full_reply(client, parallel):
     full = ask(client, tool_choice="required", parallel_tool_calls=parallel).choices[0]

@@ -28,6 +28,8 @@ from specserve.structured.schema import embed
 
 # The JSON layout of Python's json.dumps, and so of the templates' `tojson`: what the model saw in training.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# A tool without `parameters` (or with `{}`) takes none, as OpenAI defines it: its forced arguments are `{}`.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ToolFormat:
@@ -148,7 +150,7 @@ def forcing_grammar(fmt: ToolFormat, tools: list[Tool], tokenizer, parallel: boo
                 "properties": {
                     "name": {"const": t.function.name},
                     # Its references ("#/$defs/...") mean the parameters' own root, wherever it sits.
-                    key: embed(t.function.parameters or {"type": "object"}, f"/anyOf/{i}/properties/{key}"),
+                    key: embed(t.function.parameters or NO_PARAMETERS, f"/anyOf/{i}/properties/{key}"),
                 },
                 "required": ["name", key],
                 "additionalProperties": False,
