@@ -160,6 +160,16 @@ def test_completion_logprobs_name_the_generated_tokens(client, llm):
     assert [len(top) for top in logprobs.top_logprobs] == [2] * 6
 
 
+def test_nulls_the_openai_types_allow_mean_the_defaults(client):
+    # The official client sends `n=None` as `"n": null` (its types, and OpenAI's schema, allow it).
+    args = dict(model=MODEL_NAME, max_tokens=4, **greedy())
+    nulls = dict(n=None, stream=None)
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=None, **nulls, **args)
+    assert chat.choices == client.chat.completions.create(messages=MESSAGES, **args).choices
+    completion = client.completions.create(prompt="hi", echo=None, **nulls, **args)
+    assert completion.choices == client.completions.create(prompt="hi", **args).choices
+
+
 def test_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-17", prompt="hi")

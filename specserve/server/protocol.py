@@ -18,6 +18,8 @@ from specserve.config import SpecserveError
 
 MAX_CHOICES = 128  # `n` above this is surely a mistake; each choice is one engine request
 MAX_LOGPROBS = 20  # the engine returns at most 20 alternatives per token
+# Fields with a default here that OpenAI's schema and client types let be null: null means the default.
+NULLABLE = ("n", "stream", "echo", "logprobs")
 
 
 def _integral_float_as_int(value: object) -> object:
@@ -143,6 +145,14 @@ class SamplingFields(NoOpFields):
     logit_bias: dict[Text, float] | None = Field(
         None, description="token id (as a string) -> a bias in [-100, 100] added to its logit"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        nulls = {k for k in NULLABLE if k in cls.model_fields and k in data and data[k] is None}
+        return {k: v for k, v in data.items() if k not in nulls}
 
 
 class CompletionRequest(SamplingFields):
