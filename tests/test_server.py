@@ -41,6 +41,12 @@ def test_models_and_health(client, server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
+def test_a_model_is_retrieved_by_its_name(client):
+    assert client.models.retrieve(MODEL_NAME) == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("gpt-17")
+
+
 def test_chat_matches_the_engine_and_reports_usage(client, llm):
     reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, **greedy())
     expected = llm.chat(MESSAGES, engine_greedy(12))[0]

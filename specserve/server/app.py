@@ -137,10 +137,17 @@ def build_app(
         generation = ChatGeneration(body, model_name, tokenizer, limits, special_tokens, tool_format)
         return await serve_generation(generation, async_engine, request, metrics)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=model_name, created=started, max_model_len=async_engine.engine.max_model_len)
+
     @v1.get("/models")
     async def list_models() -> ModelList:
-        card = ModelCard(id=model_name, created=started, max_model_len=async_engine.engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[model_card()])
+
+    @v1.get("/models/{model:path}")  # a served name may hold slashes ("Qwen/Qwen3-8B")
+    async def retrieve_model(model: str) -> ModelCard:
+        check_model(model)
+        return model_card()
 
     app.include_router(v1)
 
