@@ -220,6 +220,25 @@ def test_bad_input_is_a_400_that_names_the_problem(server, path, body, names):
     assert server.metric("specserve:requests_total", outcome="invalid") == invalid_before + 1
 
 
+FIELD_ERRORS = [
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "stop": ["a"] * 65}, "stop"),
+    ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
+]
+
+
+@pytest.mark.parametrize("path, body, param", FIELD_ERRORS)
+def test_an_error_about_one_field_names_it_in_param(server, path, body, param):
+    error = httpx.post(f"{server.url}/v1/{path}", json=body).json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ")
+
+
 def test_api_key_guards_the_v1_routes_only(model_dir):
     with running_server(model_dir, api_key="sesame", max_model_len=64) as srv:
         missing = httpx.post(f"{srv.url}/v1/completions", content=b"{not json")  # refused before parsing

@@ -79,7 +79,7 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     bad = [key for key in bias if not (key.isascii() and key.isdigit())]
     if bad:
-        raise SpecserveError(f"logit_bias: keys must be token ids, got {bad[:5]}")
+        raise RequestFieldError("logit_bias", f"keys must be token ids, got {bad[:5]}")
     return {int(key): value for key, value in bias.items()}
 
 
@@ -93,7 +93,7 @@ def output_constraint(body: SamplingFields) -> dict | None:
     if fmt.type == "json_object":
         return {"json_object": True}
     if fmt.json_schema is None:
-        raise SpecserveError("response_format.json_schema: required when type is 'json_schema'")
+        raise RequestFieldError("response_format.json_schema", "required when type is 'json_schema'")
     return {"json": fmt.json_schema.schema_}
 
 
@@ -134,8 +134,8 @@ class Generation:
         self.limits = limits or ServerLimits()
         stop = body.stop if isinstance(body.stop, list) else []
         if len(stop) > self.limits.max_stop_strings:
-            raise SpecserveError(
-                f"stop: at most {self.limits.max_stop_strings} stop strings per request, got {len(stop)}"
+            raise RequestFieldError(
+                "stop", f"at most {self.limits.max_stop_strings} stop strings per request, got {len(stop)}"
             )
         self._check_constraints()
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -228,13 +228,14 @@ class CompletionGeneration(Generation):
         self._tokenizer = tokenizer
         self._streamed_chars: dict[int, int] = {}  # per choice, for stream logprobs' text offsets
         if body.max_tokens == 0 and not body.echo:
-            raise SpecserveError("max_tokens: 0 needs echo: true (it asks for the prompt alone)")
+            raise RequestFieldError("max_tokens", "0 needs echo: true (it asks for the prompt alone)")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             num_ids = len(prompt) if isinstance(prompt[0], int) else sum(len(p) for p in prompt)
             if num_ids > self.limits.max_prompt_token_ids:
-                raise SpecserveError(
-                    f"prompt: at most {self.limits.max_prompt_token_ids} token ids per request, got {num_ids}"
+                raise RequestFieldError(
+                    "prompt",
+                    f"at most {self.limits.max_prompt_token_ids} token ids per request, got {num_ids}",
                 )
 
     @property
@@ -342,10 +343,11 @@ class ChatGeneration(Generation):
         self._tokenizer = tokenizer
         self._special_tokens = special_tokens
         if body.top_logprobs is not None and not body.logprobs:
-            raise SpecserveError("top_logprobs needs logprobs: true")
+            raise RequestFieldError("top_logprobs", "needs logprobs: true")
         if len(body.messages) > self.limits.max_messages:
-            raise SpecserveError(
-                f"messages: at most {self.limits.max_messages} messages per request, got {len(body.messages)}"
+            raise RequestFieldError(
+                "messages",
+                f"at most {self.limits.max_messages} messages per request, got {len(body.messages)}",
             )
         self.tools = ToolUse(body, tool_format)
         if self.tools.forced and output_constraint(body) is not None:
