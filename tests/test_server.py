@@ -166,8 +166,10 @@ def test_completion_logprobs_name_the_generated_tokens(client, llm):
     assert [len(top) for top in logprobs.top_logprobs] == [2] * 6
 
 
-def test_nulls_the_openai_types_allow_mean_the_defaults(client):
+def test_nulls_the_openai_types_allow_mean_the_defaults(client, server):
     # The official client sends `n=None` as `"n": null` (its types, and OpenAI's schema, allow it).
+    schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["n"]["type"] == ["integer", "null"]
     args = dict(model=MODEL_NAME, max_tokens=4, **greedy())
     nulls = dict(n=None, stream=None)
     chat = client.chat.completions.create(messages=MESSAGES, logprobs=None, **nulls, **args)

@@ -119,9 +119,18 @@ class NoOpFields(_Request):
     prompt_cache_key: Text | None = Field(None, description="a cache-routing hint; prefix caching needs none")
 
 
+def _nullable_in_schema(schema: dict) -> None:
+    # The published schema says what `_null_means_the_default` takes (OpenAPI 3.1: a list of types).
+    for name in NULLABLE:
+        field = schema["properties"].get(name)
+        if field is not None and "type" in field:
+            field["type"] = [field["type"], "null"]
+
+
 class SamplingFields(NoOpFields):
     """Everything both generation endpoints share: the model, how many choices, and how to sample."""
 
+    model_config = ConfigDict(json_schema_extra=_nullable_in_schema)
     model: Text | None = Field(None, description="must name the served model when given")
     n: integer(ge=1, le=MAX_CHOICES) = 1
     temperature: float | None = Field(None, ge=0, le=2)
