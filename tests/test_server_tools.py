@@ -403,7 +403,7 @@ def test_tools_on_a_model_whose_template_has_none_are_a_400(tmp_path):
             {"stream_options": {"include_usage": True, "include_obfuscation": True}},
             "stream_options.include_obfuscation",
         ),
-        ({"messages": [{"role": "user", "content": "hi", "audio": None}]}, "messages.0.audio"),
+        ({"messages": [{"role": "user", "content": "hi", "audio": {"id": "a"}}]}, "messages.0.audio"),
     ],
 )
 def test_fields_the_server_does_not_implement_are_400s(server, body, param):
@@ -411,6 +411,16 @@ def test_fields_the_server_does_not_implement_are_400s(server, body, param):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and "does not implement" in error["message"], error
+
+
+def test_such_fields_set_to_null_ask_for_nothing(client):
+    # A reply's message sent back as history with the client's model_dump(): its types' nulls included.
+    message = ask(client, tools=None, max_tokens=4).choices[0].message.model_dump()
+    assert message["refusal"] is None and message["audio"] is None and message["function_call"] is None
+    follow_up = {"role": "user", "content": "and then?"}
+    answer = ask(client, messages=[*MESSAGES, message, follow_up], reasoning_effort=None, tools=None)
+    bare = {"role": "assistant", "content": message["content"]}
+    assert answer.choices == ask(client, messages=[*MESSAGES, bare, follow_up], tools=None).choices
 
 
 def test_no_op_fields_are_accepted(server, client):

@@ -90,6 +90,18 @@ class RequestFieldError(SpecserveError):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_asks_for_nothing(cls, data: object) -> object:
+        # A null is as absent where it can ask for nothing: a field this server does not implement (clients
+        # send their types' nulls back: an assistant message's refusal, audio, function_call), or one of
+        # NULLABLE (null means its default).
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: v for k, v in data.items() if v is not None or (k in cls.model_fields and k not in NULLABLE)
+        }
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -154,14 +166,6 @@ class SamplingFields(NoOpFields):
     logit_bias: dict[Text, float] | None = Field(
         None, description="token id (as a string) -> a bias in [-100, 100] added to its logit"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_the_default(cls, data: object) -> object:
-        if not isinstance(data, dict):
-            return data
-        nulls = {k for k in NULLABLE if k in cls.model_fields and k in data and data[k] is None}
-        return {k: v for k, v in data.items() if k not in nulls}
 
 
 class CompletionRequest(SamplingFields):
