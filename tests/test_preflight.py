@@ -7,6 +7,7 @@ one would take ~6 GB to load; the CLI's errors on it stay under 1 GB."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import transformers
 
 from specserve import LLM
+from specserve.cli import main
 from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
 from specserve.models.gguf import build_hf_config
 from specserve.models.gguf_header import GGUFHeader
@@ -218,3 +220,29 @@ def test_cli_errors_before_loading_under_1_gb(big, flags, message):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["code"] == 2 and message in result["err"]
     assert result["peak"] < 2**30, f"peak RSS {result['peak'] / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--port", "70000"], "port must be in 0..65535, got 70000"),
+        (["--host", "192.0.2.1"], "cannot serve on 192.0.2.1:8000: Cannot assign requested address"),
+        (["--tokenizer-workers", "0"], "tokenizer_workers must be >= 1, got 0"),
+        (["--max-waiting-requests", "-1"], "max_waiting must be >= 0, got -1"),
+        (["--shutdown-timeout", "-1"], "drain_timeout_s must be >= 0, got -1.0"),
+        (["--max-request-body-bytes", "-5"], "max_request_body_bytes must be > 0, got -5"),
+        (["--request-read-timeout", "0"], "request_read_timeout_s must be > 0, got 0.0"),
+    ],
+)
+def test_serve_refuses_bad_server_flags_before_loading(tiny, flags, message, capsys):
+    assert main(["serve", str(tiny), *flags]) == 2  # the junk weights: no load began
+    assert message in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_fails_before_loading(tiny, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tiny), "--port", str(port)]) == 2
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err

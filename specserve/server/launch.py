@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 
 import uvicorn
 
+from specserve.config import SpecserveError
 from specserve.engine.engine import LLMEngine
 from specserve.llm import loaded_line
 from specserve.server.app import build_app
@@ -36,6 +38,12 @@ class DrainingServer(uvicorn.Server):
         self.async_engine = async_engine
         self.drain_timeout_s = drain_timeout_s
         self._drain_deadline: float | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for sock in sockets or ():  # uvicorn names the address only of the sockets it binds itself
+            host, port = sock.getsockname()[:2]
+            logger.info("ready: listening on %s, port %d", host, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.async_engine.draining:
@@ -70,6 +78,38 @@ def uvicorn_config(app, limits: ServerLimits, **kwargs) -> uvicorn.Config:
     )
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a taken port or a bad address fails in a moment,
+    not after the load. Connections are refused until uvicorn listens on it, once the engine is ready."""
+    if not 0 <= port <= 65535:
+        raise SpecserveError(f"port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise SpecserveError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse the port
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise SpecserveError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def check_server_args(max_waiting: int, drain_timeout_s: float, log_stats_interval_s: float, workers: int):
+    for ok, message in (
+        (max_waiting >= 0, f"max_waiting must be >= 0, got {max_waiting}"),
+        (drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {drain_timeout_s}"),
+        (log_stats_interval_s > 0, f"log_stats_interval_s must be > 0, got {log_stats_interval_s}"),
+        (workers >= 1, f"tokenizer_workers must be >= 1, got {workers}"),
+    ):
+        if not ok:
+            raise SpecserveError(message)
+
+
 def serve(
     model: str,
     *,
@@ -89,27 +129,29 @@ def serve(
     """Serve `model` until SIGTERM or Ctrl-C; returns the exit status. `engine_args` go to EngineConfig."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = limits or ServerLimits()
-    start = time.monotonic()
-    logger.info("loading %s ...", model)
-    engine = LLMEngine.from_args(model, speculative_config, **engine_args)
-    logger.info("%s", loaded_line(engine, time.monotonic() - start))
-    async_engine = AsyncEngine(
-        engine,
-        max_waiting=max_waiting,
-        log_stats_interval_s=log_stats_interval_s,
-        tokenizer_workers=tokenizer_workers,
-        per_request_spec_decode_metrics=per_request_spec_decode_metrics,
-    )
-    app = build_app(async_engine, served_model_name or model, api_key=api_key, limits=limits)
-    config = uvicorn_config(
-        app,
-        limits,
-        host=host,
-        port=port,
-        timeout_graceful_shutdown=drain_timeout_s + UVICORN_SHUTDOWN_MARGIN_S,
-    )
-    try:
-        DrainingServer(config, async_engine, drain_timeout_s).run()
-    finally:
-        engine.close()  # tensor-parallel workers
+    check_server_args(max_waiting, drain_timeout_s, log_stats_interval_s, tokenizer_workers)
+    with bound_socket(host, port) as listening:
+        start = time.monotonic()
+        logger.info("loading %s ...", model)
+        engine = LLMEngine.from_args(model, speculative_config, **engine_args)
+        logger.info("%s", loaded_line(engine, time.monotonic() - start))
+        async_engine = AsyncEngine(
+            engine,
+            max_waiting=max_waiting,
+            log_stats_interval_s=log_stats_interval_s,
+            tokenizer_workers=tokenizer_workers,
+            per_request_spec_decode_metrics=per_request_spec_decode_metrics,
+        )
+        app = build_app(async_engine, served_model_name or model, api_key=api_key, limits=limits)
+        config = uvicorn_config(
+            app,
+            limits,
+            host=host,
+            port=port,
+            timeout_graceful_shutdown=drain_timeout_s + UVICORN_SHUTDOWN_MARGIN_S,
+        )
+        try:
+            DrainingServer(config, async_engine, drain_timeout_s).run(sockets=[listening])
+        finally:
+            engine.close()  # tensor-parallel workers
     return 0

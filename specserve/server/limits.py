@@ -38,6 +38,11 @@ class ServerLimits:
     max_constraint_bytes: int = 64 * 1024  # a constraint's text (regex, grammar, choices, a JSON schema)
     grammar_compile_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, bool) and value <= 0:
+                raise SpecserveError(f"{name} must be > 0, got {value}")
+
 
 class RequestBodyLimit:
     """Reads each HTTP request's body (at most `max_bytes`, within `timeout_s`) and replays it to `app`.
