@@ -4,6 +4,8 @@ loads a model) and value types."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from specserve.config import (
     LOAD_FORMATS,
@@ -167,3 +169,17 @@ def named(items: list[str], option: str = "--drafter", value: str = "JSON") -> l
             raise SpecserveError(f"{option} takes NAME={value}, got {item!r}")
         pairs.append((name, rest))
     return pairs
+
+
+def check_output(path: str | Path, directory: bool = False) -> None:
+    """Refuses, before any work, an output that could only fail at the end of the run: a directory where a
+    file goes or the reverse, or a place that cannot be written (the writers make missing parents)."""
+    path = Path(path)
+    kind = "directory" if directory else "file"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and path.is_dir() != directory:
+        raise SpecserveError(f"output {path} exists and is not a {kind}: choose another")
+    if existing != path and not existing.is_dir():
+        raise SpecserveError(f"output {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK):
+        raise SpecserveError(f"output {path}: {existing} is not writable")

@@ -545,3 +545,82 @@ def test_train_curves_plots_runs_side_by_side_and_refuses_what_is_not_a_log(tmp_
     for bad in ([f"x={tmp_path / 'bad'}"], [f"x={tmp_path / 'missing'}"], ["no-name"]):
         assert main(["train-curves", "--run", bad[0], "--output", str(png)]) == 2
         assert "error:" in capsys.readouterr().err
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """`argv`'s one-line error (exit status 2, no traceback)."""
+    from specserve.cli import main
+
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_commands_refuse_an_output_they_could_not_write_before_any_model_loads(tmp_path, capsys):
+    """The model does not exist: the output's error coming first proves it is checked before the load
+    (eval, calibrate and profile would otherwise fail after their whole run)."""
+    a_file = tmp_path / "a.txt"
+    a_file.write_text("x")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n')
+    model, spec = ["--model", "no-such-model"], '{"method": "dspark", "model": "d"}'
+    for argv, output in (
+        (
+            ["eval", *model, "--drafter", 'x={"method": "ngram"}', "--datasets", str(prompts), "--output"],
+            a_file,
+        ),
+        (
+            ["calibrate", *model, "--speculative-config", spec, "--prompts", str(prompts), "--output-dir"],
+            a_file,
+        ),
+        (["profile", *model, "--speculative-config", spec, "--output"], tmp_path),
+        (["data", "regenerate", *model, "--code-prompts", "2", "--output"], a_file / "rows.jsonl"),
+        (["data", "target-cache", *model, "--data", str(prompts), "--output"], a_file),
+        (["train", *model, "--cache", str(tmp_path), "--steps", "1", "--output"], a_file / "drafter"),
+        (["train-curves", "--run", f"x={tmp_path}", "--output"], tmp_path),
+    ):
+        err = _refused(capsys, [*argv, str(output)])
+        assert err.startswith("error:") and str(output) in err and "no-such-model" not in err, (argv, err)
+
+
+def test_prompt_files_are_checked_before_any_model_loads(tmp_path, capsys):
+    (tmp_path / "rows.jsonl").write_text('{"id": 1}\n')
+    (tmp_path / "text.jsonl").write_text("not json\n")
+    spec = '{"method": "dspark", "model": "d"}'
+    for bad in (tmp_path / "missing.jsonl", tmp_path, tmp_path / "text.jsonl", tmp_path / "rows.jsonl"):
+        for argv in (
+            ["eval", "--drafter", 'x={"method": "ngram"}', "--datasets", str(bad)],
+            ["calibrate", "--speculative-config", spec, "--prompts", str(bad)],
+            ["data", "regenerate", "--prompts", str(bad), "--output", str(tmp_path / "out.jsonl")],
+            ["data", "target-cache", "--data", str(bad), "--output", str(tmp_path / "cache")],
+        ):
+            err = _refused(capsys, [*argv, "--model", "no-such-model"])
+            assert err.startswith("error:") and str(bad) in err and "no-such-model" not in err, (argv, err)
+
+
+def test_train_refuses_out_of_range_settings_and_a_file_as_cache_before_loading(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("x")
+    base = ["train", "--model", "no-such-model", "--output", str(tmp_path / "d")]
+    cache = ["--cache", str(tmp_path / "a.txt")]
+    for flags, says in (
+        ([*cache, "--steps", "1"], "not a target cache"),
+        (["--cache", str(tmp_path), "--steps", "0"], "steps"),
+        (["--cache", str(tmp_path), "--steps", "2", "--batch-size", "0"], "batch_size"),
+        (["--cache", str(tmp_path), "--steps", "2", "--lr", "-1"], "lr"),
+        (["--cache", str(tmp_path), "--steps", "2", "--checkpoint-every", "0"], "checkpoint_every"),
+    ):
+        err = _refused(capsys, [*base, *flags])
+        assert err.startswith("error:") and says in err and "no-such-model" not in err, (flags, err)
+
+
+def test_target_cache_refuses_bad_lengths_and_layers(tmp_path, capsys):
+    from tests.tiny_models import save_tiny_chat_model
+
+    model = str(save_tiny_chat_model("qwen3", tmp_path / "target"))
+    capsys.readouterr()  # the save's progress
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n')
+    base = ["data", "target-cache", "--model", model, "--data", str(data), "--output", str(tmp_path / "c")]
+    for flags, says in ((["--max-length", "0"], "max_length"), (["--target-layer-ids", "1,3"], "layer")):
+        err = _refused(capsys, [*base, *flags])
+        assert err.startswith("error:") and says in err, (flags, err)
+    assert not (tmp_path / "c").exists()

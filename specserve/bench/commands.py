@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specserve.cli_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, int_list, named
+from specserve.cli_args import DEFAULT_MODEL, add_engine_args, check_output, engine_kwargs, int_list, named
 from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError
 
 
@@ -123,6 +123,8 @@ def _profile(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
     from specserve.spec_decode.cost_profile import cache_path
 
+    if args.output is not None:
+        check_output(args.output)
     engine = LLM(**engine_kwargs(args)).engine
     speculator = engine.speculator
     if speculator is None:
@@ -151,13 +153,13 @@ def _eval(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     drafters = named(args.drafter)
-    files = [Path(f) for f in args.datasets.split(",")]
+    check_output(args.output, directory=True)
+    datasets = {Path(f): load_eval_prompts(Path(f), args.num_prompts) for f in args.datasets.split(",")}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     results = []
     for name, config in drafters:
         llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=config, seed=args.seed)
-        for path in files:
-            prompts = load_eval_prompts(path, args.num_prompts)
+        for path, prompts in datasets.items():
             results.append(evaluate(llm, name, path.stem, prompts, params))
             print(f"{name} {path.stem}: tau {results[-1].tau:.2f}", flush=True)
         del llm

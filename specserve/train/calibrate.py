@@ -26,7 +26,7 @@ def calibrate(llm, prompts: list, params: SamplingParams, output_dir: str | Path
     """Fit and save STS temperatures for `llm`'s drafter; returns the per-position report."""
     speculator = llm.engine.speculator
     drafter = speculator.drafter if speculator is not None else None
-    if drafter is None or getattr(drafter.model, "confidence_head", None) is None:
+    if drafter is None or getattr(getattr(drafter, "model", None), "confidence_head", None) is None:
         raise SpecserveError("calibration needs a drafter with a confidence head (method 'dspark')")
     if speculator.config.verify_policy != "fixed":
         raise SpecserveError("calibrate with verify_policy 'fixed': every draft must be verified")

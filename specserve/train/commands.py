@@ -9,6 +9,7 @@ from specserve.cli_args import (
     DEFAULT_MODEL,
     add_engine_args,
     add_sampling_args,
+    check_output,
     engine_kwargs,
     int_list,
     named,
@@ -98,28 +99,33 @@ def _data_regenerate(args: argparse.Namespace) -> int:
 
     if bool(args.prompts) == bool(args.code_prompts):
         raise SpecserveError("give one of --prompts FILE.jsonl or --code-prompts N")
-    llm = LLM(**engine_kwargs(args))
+    check_output(args.output)
     prompts = read_prompts(args.prompts) if args.prompts else code_prompts(args.code_prompts, seed=args.seed)
+    llm = LLM(**engine_kwargs(args))
     print(f"wrote {regenerate(llm, prompts, args.output, sampling_params(args), args.batch_size)}")
     return 0
 
 
 def _data_target_cache(args: argparse.Namespace) -> int:
-    import json
-
     from specserve.models.loader import load_model
     from specserve.models.registry import text_config_of
     from specserve.spec_decode.deepspec.config import default_target_layer_ids
+    from specserve.train.data import read_conversations
     from specserve.train.target_cache import build_target_cache
 
+    if args.max_length < 1:
+        raise SpecserveError(f"max_length must be >= 1, got {args.max_length}")
+    check_output(args.output, directory=True)
+    conversations = read_conversations(args.data)
     target, hf_config, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SpecserveError(f"{args.model} has no tokenizer: the chat template gives the loss masks")
     num_layers = text_config_of(hf_config).num_hidden_layers
     layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers)
-    with open(args.data) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    conversations = [r["conversations"] for r in rows if r.get("status", "success") == "success"]
+    if not all(0 <= i < num_layers for i in layer_ids):
+        raise SpecserveError(
+            f"target layer ids must be in 0..{num_layers - 1} ({args.model}), got {layer_ids}"
+        )
     out = build_target_cache(
         target,
         tokenizer,
@@ -140,6 +146,7 @@ def _train(args: argparse.Namespace) -> int:
     from specserve.train.run import train_drafter
     from specserve.train.trainer import TrainConfig
 
+    check_output(args.output, directory=True)
     config = TrainConfig(
         total_steps=args.steps,
         batch_size=args.batch_size,
@@ -172,6 +179,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_curves(args: argparse.Namespace) -> int:
     from specserve.train.curves import plot_curves, read_curve, summary
 
+    check_output(args.output)
     runs = [read_curve(name, run, args.window) for name, run in named(args.run, "--run", "DIRECTORY")]
     print(summary(runs))
     print(f"wrote {plot_curves(runs, args.output, args.window)}")
@@ -183,12 +191,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     from specserve.train.calibrate import calibrate, format_report
     from specserve.train.data import read_prompts
 
+    if args.speculative_config is None or args.speculative_config.method != "dspark":
+        raise SpecserveError(
+            "calibrate needs --speculative-config with method 'dspark' (its confidence head)"
+        )
+    if args.output_dir is not None:
+        check_output(args.output_dir, directory=True)
+    texts = [p for path in args.prompts.split(",") for p in read_prompts(path)[: args.num_prompts]]
     llm = LLM(**engine_kwargs(args))
-    prompts = [
-        {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
-        for path in args.prompts.split(",")
-        for p in read_prompts(path)[: args.num_prompts]
-    ]
+    prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])} for p in texts]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     print(format_report(calibrate(llm, prompts, params, args.output_dir)))
     return 0

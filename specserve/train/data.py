@@ -126,15 +126,41 @@ def _dedent(text: str) -> str:
 def read_prompts(path: str | Path) -> list[str]:
     """First user turn of each row: DeepSpec eval rows ({"turns": [...]}) or training rows (conversations)."""
     prompts = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "turns" in row:
-            prompts.append(row["turns"][0])
-        else:
-            prompts.append(next(m["content"] for m in row["conversations"] if m["role"] == "user"))
+    for number, row in enumerate(read_jsonl(path), 1):
+        try:
+            if "turns" in row:
+                prompts.append(row["turns"][0])
+            else:
+                prompts.append(next(m["content"] for m in row["conversations"] if m["role"] == "user"))
+        except (KeyError, IndexError, TypeError, StopIteration):
+            raise SpecserveError(
+                f"{path} row {number}: no prompt ('turns', or 'conversations' with a user turn)"
+            ) from None
     return prompts
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """The conversations of the successful rows of a `regenerate` output (DeepSpec JSONL)."""
+    rows = read_jsonl(path)
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not isinstance(row.get("conversations"), list):
+            raise SpecserveError(
+                f"{path} row {number} has no 'conversations' list (made by `data regenerate`?)"
+            )
+    return [r["conversations"] for r in rows if r.get("status", "success") == "success"]
+
+
+def read_jsonl(path: str | Path) -> list:
+    """The rows of a JSON-lines file (blank lines skipped); a missing file or a line that is not JSON is
+    the user's mistake, said as such."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecserveError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return [json.loads(line) for line in lines if line.strip()]
+    except json.JSONDecodeError as e:
+        raise SpecserveError(f"{path} is not JSON lines: {e}") from None
 
 
 def regenerate(
@@ -151,7 +177,8 @@ def regenerate(
     output = Path(output)
     done = set()
     if output.exists():
-        done = {json.loads(line)["id"] for line in output.read_text().splitlines() if line.strip()}
+        done = {row["id"] for row in read_jsonl(output)}
+    output.parent.mkdir(parents=True, exist_ok=True)
     todo = iter([i for i in range(len(prompts)) if i not in done])
     engine = llm.engine
     running = {}  # request id -> (prompt index, messages)

@@ -58,10 +58,12 @@ def train_drafter(
     `init` "target" starts a DSpark / DFlash drafter from the target's layers (`init_from_target_layers`)."""
     from tqdm import tqdm
 
+    if checkpoint_every < 1:
+        raise SpecserveError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    cache = TargetCache(cache_dir)  # a wrong --cache fails before the target loads
+    samples = training_samples(cache, num_samples)
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
-    cache = TargetCache(cache_dir)
-    samples = training_samples(cache, num_samples)
     output = Path(output)
     if (output / STATE_FILE).is_file():
         trainer = Trainer.resume(output, target, config_t, samples)

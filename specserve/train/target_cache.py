@@ -183,7 +183,7 @@ class TargetCache:
         self.directory = Path(directory)
         try:
             self.manifest = json.loads((self.directory / "manifest.json").read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise SpecserveError(f"{self.directory} is not a target cache (no manifest.json)") from None
         if self.manifest.get("version") != MANIFEST_VERSION:
             raise SpecserveError(f"{self.directory}: manifest version {self.manifest.get('version')!r} != 2")
