@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.errors import SpecserveError  # (defined apart so that the platform layer needs no config)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise SpecserveError(message)
+# (defined apart so that the platform layer needs no config)
+from specserve.errors import SpecserveError, check
 
 
 @dataclass
@@ -30,16 +26,16 @@ class StructuredOutputsParams:
         given = [
             name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
-        _check(len(given) == 1, f"structured_outputs takes exactly one constraint, got {given or 'none'}")
-        _check(
+        check(len(given) == 1, f"structured_outputs takes exactly one constraint, got {given or 'none'}")
+        check(
             self.json is None or isinstance(self.json, dict | str),
             "structured_outputs.json must be a JSON schema (an object or its JSON text)",
         )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            _check(value is None or isinstance(value, str), f"structured_outputs.{name} must be a string")
+            check(value is None or isinstance(value, str), f"structured_outputs.{name} must be a string")
         if self.choice is not None:
-            _check(
+            check(
                 isinstance(self.choice, list | tuple)
                 and bool(self.choice)
                 and all(isinstance(c, str) and c for c in self.choice),
@@ -60,11 +56,11 @@ class StructuredOutputsParams:
     def from_value(cls, value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
         if value is None or isinstance(value, cls):
             return value
-        _check(isinstance(value, dict), f"structured_outputs must be a mapping, got {type(value).__name__}")
+        check(isinstance(value, dict), f"structured_outputs must be a mapping, got {type(value).__name__}")
         unknown = sorted(
             set(value) - {"json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace"}
         )
-        _check(not unknown, f"structured_outputs has unknown keys {unknown}")
+        check(not unknown, f"structured_outputs has unknown keys {unknown}")
         return cls(**value)
 
 
@@ -100,51 +96,51 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(isinstance(self.n, int) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(
+        check(isinstance(self.n, int) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
+        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(
             isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or >= 1, got {self.top_k}",
         )
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(
             -2 <= self.presence_penalty <= 2,
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
         )
-        _check(
+        check(
             -2 <= self.frequency_penalty <= 2,
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
-        _check(
+        check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
-        _check(
+        check(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
         )
-        _check(
+        check(
             self.prompt_logprobs is None
             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        _check(
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"
         )
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:
             return
-        _check(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias")
+        check(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias")
         for token, bias in self.logit_bias.items():
-            _check(
+            check(
                 isinstance(token, int) and not isinstance(token, bool) and token >= 0,
                 f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
             )
-            _check(
+            check(
                 isinstance(bias, int | float) and not isinstance(bias, bool) and -100 <= bias <= 100,
                 f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}",
             )
@@ -179,14 +175,14 @@ def parse_memory(value: int | str) -> int:
         text = str(value).strip().upper().replace(" ", "")
         number = text.rstrip("KMGIB")
         unit = text[len(number) :]
-        _check(
+        check(
             bool(number) and unit in _MEMORY_UNITS, f"cannot read a memory size from {value!r} (try '2GiB')"
         )
         try:
             amount = int(float(number) * _MEMORY_UNITS[unit])
         except ValueError:
             raise SpecserveError(f"cannot read a memory size from {value!r} (try '2GiB')") from None
-    _check(amount > 0, f"memory size must be positive, got {value!r}")
+    check(amount > 0, f"memory size must be positive, got {value!r}")
     return amount
 
 
@@ -209,7 +205,7 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def _check_quantization(mode: str | None) -> None:
-    _check(
+    check(
         mode in (None, *QUANTIZATION_MODES),
         f"quantization must be None or one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}",
     )
@@ -248,16 +244,16 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
+        check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
         _check_quantization(self.quantization)
-        _check(
+        check(
             isinstance(self.tensor_parallel_size, int)
             and not isinstance(self.tensor_parallel_size, bool)
             and self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
         )
         self._choose_platform()
-        _check(
+        check(
             str(self.dtype).lower() in _DTYPES,
             f"dtype must be one of {sorted(set(_DTYPES.values()))}, got {self.dtype!r}",
         )
@@ -266,23 +262,23 @@ class EngineConfig:
         if self.dtype == "auto":
             pinned, why = self.platform.auto_dtype(self.quantization)
             self.dtype = _DTYPES.get(pinned.lower(), "auto")
-            _check(self.dtype != "auto", f"{why}: unknown dtype {pinned!r}")
+            check(self.dtype != "auto", f"{why}: unknown dtype {pinned!r}")
             self.dtype_reason = f"auto: {why}"
-        _check(
+        check(
             self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
             f"max_model_len must be an integer >= 2, got {self.max_model_len!r}",
         )
-        _check(
+        check(
             isinstance(self.gpu_memory_utilization, int | float)
             and not isinstance(self.gpu_memory_utilization, bool)
             and 0 < self.gpu_memory_utilization <= 1,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
         )
-        _check(
+        check(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
         )
-        _check(
+        check(
             isinstance(self.enforce_eager, bool),
             f"enforce_eager must be true or false, got {self.enforce_eager!r}",
         )
@@ -290,21 +286,21 @@ class EngineConfig:
             self.kv_cache_memory = DEFAULT_CPU_CACHE_MEMORY
         # None: measured once the model is on the GPU (`engine.device_cache_budget`)
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
-        _check(
+        check(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size must be a power of 2 <= 128, got {self.block_size}",
         )
-        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _check(
+        check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(
             isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens must be >= 1",
         )
-        _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(
+        check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(
             isinstance(self.enable_prefix_caching, bool),
             f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
         )
-        _check(
+        check(
             isinstance(self.state_checkpoint_interval, int)
             and self.state_checkpoint_interval >= self.block_size
             and self.state_checkpoint_interval % self.block_size == 0,
@@ -324,7 +320,7 @@ class EngineConfig:
         if refused and self.device_reason == "auto":
             self.platform, self.device_reason = CPU, f"auto: {' and '.join(refused)} run on the CPU only"
             refused = []
-        _check(
+        check(
             not refused,
             f"{' and '.join(refused)} do(es) not run on {self.platform.device} yet: use device 'cpu' "
             "(--device cpu) or drop it",
@@ -377,62 +373,62 @@ class SpeculativeConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.method in SPECULATIVE_METHODS,
             f"unknown speculative method {self.method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}",
         )
         k = self.num_speculative_tokens
-        _check(
+        check(
             k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
             f"num_speculative_tokens must be an integer >= 1, got {k!r}",
         )
-        _check(
+        check(
             self.verify_policy in VERIFY_POLICIES,
             f"unknown verify_policy {self.verify_policy!r}; choose one of {', '.join(VERIFY_POLICIES)}",
         )
         threshold = self.confidence_threshold
         if self.verify_policy == "threshold":
-            _check(
+            check(
                 isinstance(threshold, int | float) and not isinstance(threshold, bool) and 0 < threshold <= 1,
                 f"verify_policy 'threshold' needs confidence_threshold in (0, 1], got {threshold!r}",
             )
         else:
-            _check(threshold is None, "confidence_threshold is only used with verify_policy 'threshold'")
-        _check(
+            check(threshold is None, "confidence_threshold is only used with verify_policy 'threshold'")
+        check(
             self.threshold_semantics in THRESHOLD_SEMANTICS,
             f"threshold_semantics must be one of {', '.join(THRESHOLD_SEMANTICS)}, "
             f"got {self.threshold_semantics!r}",
         )
-        _check(
+        check(
             self.threshold_semantics == "specserve" or self.verify_policy == "threshold",
             "threshold_semantics 'deepspec' is only used with verify_policy 'threshold'",
         )
-        _check(
+        check(
             isinstance(self.live_recalibration, bool),
             f"live_recalibration must be true or false, got {self.live_recalibration!r}",
         )
         _check_quantization(self.quantization)
-        _check(
+        check(
             self.quantization is None or self.method != "ngram",
             "quantization applies to a drafter's weights; method 'ngram' has none",
         )
         if self.method == "draft_model":
-            _check(bool(self.model), "method 'draft_model' needs 'model': the draft model's name or path")
+            check(bool(self.model), "method 'draft_model' needs 'model': the draft model's name or path")
         if self.method in CHECKPOINT_DRAFTERS:
-            _check(
+            check(
                 bool(self.model),
                 f"method {self.method!r} needs 'model': a drafter checkpoint directory or hub id",
             )
-        _check(
+        check(
             self.model is None or isinstance(self.model, str) and bool(self.model),
             f"model must be a drafter's name or path, got {self.model!r}",
         )
         if self.method == "ngram":
-            _check(
+            check(
                 isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
                 f"prompt_lookup_min must be an integer >= 1, got {self.prompt_lookup_min!r}",
             )
-            _check(
+            check(
                 isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                 f"prompt_lookup_max must be an integer >= prompt_lookup_min, got {self.prompt_lookup_max!r}",
             )
@@ -449,12 +445,12 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise SpecserveError(f"speculative config is not valid JSON: {e}") from None
-        _check(isinstance(value, dict), "speculative config must be a JSON object")
+        check(isinstance(value, dict), "speculative config must be a JSON object")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(value) - known)
-        _check(
+        check(
             not unknown,
             f"unknown speculative config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}",
         )
-        _check("method" in value, "speculative config needs 'method'")
+        check("method" in value, "speculative config needs 'method'")
         return cls(**value)

@@ -10,7 +10,7 @@ from types import FrameType
 
 import uvicorn
 
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, check
 from specserve.engine.engine import LLMEngine
 from specserve.llm import loaded_line
 from specserve.server.app import build_app
@@ -81,8 +81,7 @@ def uvicorn_config(app, limits: ServerLimits, **kwargs) -> uvicorn.Config:
 def bound_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a taken port or a bad address fails in a moment,
     not after the load. Connections are refused until uvicorn listens on it, once the engine is ready."""
-    if not 0 <= port <= 65535:
-        raise SpecserveError(f"port must be in 0..65535, got {port}")
+    check(0 <= port <= 65535, f"port must be in 0..65535, got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -100,14 +99,10 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 
 def check_server_args(max_waiting: int, drain_timeout_s: float, log_stats_interval_s: float, workers: int):
-    for ok, message in (
-        (max_waiting >= 0, f"max_waiting must be >= 0, got {max_waiting}"),
-        (drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {drain_timeout_s}"),
-        (log_stats_interval_s > 0, f"log_stats_interval_s must be > 0, got {log_stats_interval_s}"),
-        (workers >= 1, f"tokenizer_workers must be >= 1, got {workers}"),
-    ):
-        if not ok:
-            raise SpecserveError(message)
+    check(max_waiting >= 0, f"max_waiting must be >= 0, got {max_waiting}")
+    check(drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+    check(log_stats_interval_s > 0, f"log_stats_interval_s must be > 0, got {log_stats_interval_s}")
+    check(workers >= 1, f"tokenizer_workers must be >= 1, got {workers}")
 
 
 def serve(

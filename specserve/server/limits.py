@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, check
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
@@ -40,8 +40,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if not isinstance(value, bool) and value <= 0:
-                raise SpecserveError(f"{name} must be > 0, got {value}")
+            check(isinstance(value, bool) or value > 0, f"{name} must be > 0, got {value}")
 
 
 class RequestBodyLimit:

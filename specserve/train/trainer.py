@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import SpecserveError
+from specserve.config import check
 from specserve.spec_decode.deepspec.checkpoint import DraftModel, load_draft_checkpoint, save_draft_checkpoint
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.train.anchors import position_weights
@@ -46,14 +46,10 @@ class TrainConfig:
     seed: int = 42
 
     def __post_init__(self) -> None:
-        for ok, message in (
-            (self.total_steps >= 1, f"steps must be >= 1, got {self.total_steps}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-            (self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}"),
-        ):
-            if not ok:
-                raise SpecserveError(message)
+        check(self.total_steps >= 1, f"steps must be >= 1, got {self.total_steps}")
+        check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        check(self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}")
 
 
 @dataclass
