@@ -92,3 +92,33 @@ def test_quantization_applies_to_the_target_and_the_default_draft_model():
         ),
     ]
     assert "quantization" not in default_configs("draft", [3])[1][1]
+
+
+def test_bench_flags_out_of_range_and_an_empty_prompt_file_are_refused_before_any_model_loads(
+    tmp_path, capsys
+):
+    """The model does not exist: the flag's error coming first proves it is checked before the load (0
+    prompts divided by zero, a 0 context or 0 repeats failed inside torch)."""
+    from specserve.cli import main
+
+    prompts, empty = tmp_path / "p.jsonl", tmp_path / "empty.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n')
+    empty.write_text("\n")
+    spec = ["bench", "spec", "--model", "no-such-model", "--prompts"]
+    for argv, says in (
+        ([*spec, str(prompts), "--num-prompts", "0"], "--num-prompts"),
+        ([*spec, str(prompts), "--new-tokens", "1"], "--new-tokens"),
+        ([*spec, str(prompts), "--ks", "3,0"], "--ks"),
+        ([*spec, str(empty), "--no-llama"], str(empty)),  # --no-llama: the GGUF lookup resolves the model
+        (["bench", "drafter", "--model", "no-such-model", "--context", "0"], "--context"),
+        (["bench", "drafter", "--model", "no-such-model", "--repeats", "0"], "--repeats"),
+        (["bench", "drafter", "--model", "no-such-model", "--block-size", "0"], "--block-size"),
+        (["bench", "drafter", "--model", "no-such-model", "--layers", "1,0"], "--layers"),
+        (["bench", "drafter", "--model", "no-such-model", "--batch-sizes", "0"], "--batch-sizes"),
+        (["bench", "decode", "--model", "no-such-model", "--prompt-len", "0"], "--prompt-len"),
+        (["bench", "decode", "--model", "no-such-model", "--new-tokens", "1"], "--new-tokens"),
+        (["bench", "decode", "--model", "no-such-model", "--batch-sizes", "-1"], "--batch-sizes"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and says in err and "no-such-model" not in err, (argv, err)

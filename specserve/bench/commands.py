@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from specserve.cli_args import DEFAULT_MODEL, add_engine_args, check_output, engine_kwargs, int_list, named
-from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, check
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -172,6 +172,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _bench_decode(args: argparse.Namespace) -> int:
     from specserve.bench.decode import run_decode_benchmark
 
+    check(args.prompt_len >= 1, f"--prompt-len must be >= 1, got {args.prompt_len}")
+    # decode tokens/s counts the tokens after the first (the prefill's)
+    check(args.new_tokens >= 2, f"--new-tokens must be >= 2, got {args.new_tokens}")
+    check(min(args.batch_sizes) >= 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     run_decode_benchmark(
         model=args.model,
         prompt_len=args.prompt_len,
@@ -185,6 +189,10 @@ def _bench_decode(args: argparse.Namespace) -> int:
 def _bench_spec(args: argparse.Namespace) -> int:
     from specserve.bench.spec_decode import default_configs, run_spec_benchmark
 
+    check(args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}")
+    # decode tokens/s counts the tokens after the first (the prefill's)
+    check(args.new_tokens >= 2, f"--new-tokens must be >= 2, got {args.new_tokens}")
+    check(min(args.ks) >= 1, f"--ks must be >= 1, got {args.ks}")
     gguf = _llama_gguf(args.model) if args.llama else None
     run_spec_benchmark(
         target=args.model,
@@ -219,6 +227,11 @@ def _llama_gguf(model: str) -> Path | None:
 def _bench_drafter(args: argparse.Namespace) -> int:
     from specserve.bench.drafter_cost import HEADER, measure
 
+    check(min(args.layers) >= 1, f"--layers must be >= 1, got {args.layers}")
+    check(min(args.batch_sizes) >= 1, f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    check(args.block_size >= 1, f"--block-size must be >= 1, got {args.block_size}")
+    check(args.context >= 1, f"--context must be >= 1, got {args.context}")
+    check(args.repeats >= 1, f"--repeats must be >= 1, got {args.repeats}")
     print(
         f"DSpark drafter cost on {args.model}: B={args.block_size}, context {args.context}, "
         f"median of {args.repeats}"

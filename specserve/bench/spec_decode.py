@@ -246,14 +246,12 @@ def run_spec_benchmark(
     `quantization`. Each configuration gets a row per prompt file (its `dataset`, the file's stem) and,
     with several files, one over all of them ("all"); speedups are against no speculation on the same
     prompts. Each row's T(1) and T(k + 1) are timed on its own engine right after its run."""
+    texts = {f.stem: load_eval_prompts(f, num_prompts) for f in prompt_files}  # a bad file fails first
     base = LLM(target, quantization=quantization)
     tok = base.tokenizer
     datasets = {
-        f.stem: [
-            base.apply_chat_template([{"role": "user", "content": p}])
-            for p in load_eval_prompts(f, num_prompts)
-        ]
-        for f in prompt_files
+        name: [base.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        for name, prompts in texts.items()
     }
     prompt_ids = [ids for prompts in datasets.values() for ids in prompts]
     context = sum(len(p) for p in prompt_ids) // len(prompt_ids) + new_tokens // 2

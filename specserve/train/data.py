@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import SamplingParams, SpecserveError, check
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ PROMPT_KINDS = (
 
 def code_prompts(num: int, seed: int = 0, roots: list[Path] | None = None, max_lines: int = 40) -> list[str]:
     """`num` prompts about short functions from Python files under `roots` (default: the stdlib)."""
+    check(num >= 1, f"the number of code prompts must be >= 1, got {num}")
     roots = roots or [Path(sysconfig.get_paths()["stdlib"])]
     files = sorted(
         p
@@ -136,6 +137,7 @@ def read_prompts(path: str | Path) -> list[str]:
             raise SpecserveError(
                 f"{path} row {number}: no prompt ('turns', or 'conversations' with a user turn)"
             ) from None
+    check(bool(prompts), f"{path} has no prompts")
     return prompts
 
 
@@ -147,7 +149,9 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
             raise SpecserveError(
                 f"{path} row {number} has no 'conversations' list (made by `data regenerate`?)"
             )
-    return [r["conversations"] for r in rows if r.get("status", "success") == "success"]
+    conversations = [r["conversations"] for r in rows if r.get("status", "success") == "success"]
+    check(bool(conversations), f"{path} has no successful conversations")
+    return conversations
 
 
 def read_jsonl(path: str | Path) -> list:
