@@ -108,3 +108,19 @@ def test_recalibration_learns_the_realised_acceptance_by_position_and_confidence
     for claimed, rates in realised.items():
         expected = torch.tensor([*rates, claimed], dtype=torch.double)
         assert torch.allclose(recal.correct(torch.full((4,), claimed)), expected, atol=0.06)
+
+
+def test_the_report_says_auc_is_undefined_where_every_round_ended_alike():
+    """Greedy calibration of a weak drafter: no round got past the first draft, so positions 2 and 3 have
+    one class only and no AUC; the report says so (null in JSON, '-' in the table), not nan."""
+    import json
+
+    from specserve.train.calibrate import format_report
+
+    logits = torch.tensor([[0.5, -1.0, 0.2], [-0.3, 0.1, 0.4], [-2.0, 0.0, -2.0], [0.2, 0.3, 0.1]])
+    lengths, accepted = torch.tensor([3, 3, 3, 3]), torch.tensor([1, 0, 0, 1])
+    report = calibration_report(logits.double(), lengths, accepted, [1.0, 1.0, 1.0])
+    assert report[0]["auc"] == 1.0 and [r["auc"] for r in report[1:]] == [None, None]
+    json.dumps(report, allow_nan=False)  # valid JSON
+    table = format_report(report).splitlines()
+    assert "nan" not in "\n".join(table) and table[2].split()[5] == "-"

@@ -624,3 +624,61 @@ def test_target_cache_refuses_bad_lengths_and_layers(tmp_path, capsys):
         err = _refused(capsys, [*base, *flags])
         assert err.startswith("error:") and says in err, (flags, err)
     assert not (tmp_path / "c").exists()
+
+
+def test_regenerate_refuses_a_bad_prompt_count_batch_or_an_empty_prompt_file_before_loading(tmp_path, capsys):
+    """-3 code prompts raised ValueError from random.sample; an empty prompt file or a batch of 0 wrote an
+    empty output and exited 0."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    base = ["data", "regenerate", "--model", "no-such-model", "--output", str(tmp_path / "out.jsonl")]
+    for flags, says in (
+        (["--code-prompts", "-3"], "-3"),
+        (["--prompts", str(empty)], str(empty)),
+        (["--code-prompts", "2", "--batch-size", "0"], "--batch-size"),
+    ):
+        err = _refused(capsys, [*base, *flags])
+        assert err.startswith("error:") and says in err and "no-such-model" not in err, (flags, err)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_target_cache_refuses_data_that_would_give_no_sample(tmp_path, capsys):
+    """An empty data file is refused before the load; samples all under --min-loss-tokens as soon as they
+    are tokenized, before a 0-sample cache is written (train failed on it only later)."""
+    import json
+
+    from tests.tiny_models import save_tiny_chat_model
+
+    empty, data, cache = tmp_path / "empty.jsonl", tmp_path / "data.jsonl", tmp_path / "c"
+    empty.write_text("")
+    base = ["data", "target-cache", "--output", str(cache), "--data"]
+    err = _refused(capsys, [*base, str(empty), "--model", "no-such-model"])
+    assert err.startswith("error:") and str(empty) in err and "no-such-model" not in err, err
+    model = str(save_tiny_chat_model("qwen3", tmp_path / "target"))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    data.write_text(json.dumps({"conversations": turns}) + "\n")
+    capsys.readouterr()
+    err = _refused(capsys, [*base, str(data), "--model", model, "--min-loss-tokens", "1000"])
+    assert err.startswith("error:") and "--min-loss-tokens" in err, err
+    assert not cache.exists()
+
+
+def test_train_curves_refuses_a_log_with_no_steps(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    err = _refused(capsys, ["train-curves", "--run", f"x={tmp_path}", "--output", str(tmp_path / "c.png")])
+    assert err.startswith("error:") and "no steps" in err, err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_new_drafters_refuse_a_zero_width_mlp_and_say_why_a_block_is_too_small(tiny_model_dir):
+    """A 0-wide MLP trained and was written, then crashed the engine (SIGFPE); block size 1 is a real
+    drafter (the anchor's slot drafts one token), 0 is not."""
+    from specserve.config import SpecserveError
+
+    _, target_config, _ = load_model(str(tiny_model_dir("qwen3")))
+    make = dict(num_layers=1, mask_token_id=VOCAB - 1)
+    with pytest.raises(SpecserveError, match="intermediate_size 0"):
+        new_draft_config(target_config, intermediate_size=0, **make)
+    with pytest.raises(SpecserveError, match="block_size 0: .*at least 1"):
+        new_draft_config(target_config, block_size=0, **make)
+    assert new_draft_config(target_config, block_size=1, **make).max_drafts == 1

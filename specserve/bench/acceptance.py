@@ -26,7 +26,7 @@ class AcceptanceResult:
     prefix_survival: list[float]
     conditional_acceptance: list[float]
     ece: list[float] = field(default_factory=list)
-    auc: list[float] = field(default_factory=list)
+    auc: list[float | None] = field(default_factory=list)  # None: one class only at that position
 
 
 def evaluate(llm, drafter: str, dataset: str, prompts: list[str], params: SamplingParams) -> AcceptanceResult:

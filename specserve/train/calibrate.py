@@ -61,8 +61,9 @@ def calibrate(llm, prompts: list, params: SamplingParams, output_dir: str | Path
 def format_report(report: list[dict]) -> str:
     lines = [f"{'pos':>3} {'n':>6} {'T':>6} {'ECE raw':>8} {'ECE STS':>8} {'AUC':>6} {'Brier':>6}"]
     for r in report:
+        auc = "-" if r["auc"] is None else f"{r['auc']:.3f}"  # None: every round ended alike there
         lines.append(
             f"{r['position']:>3} {r['samples']:>6} {r['temperature']:>6.2f} {r['ece_raw']:>8.4f} "
-            f"{r['ece_sts']:>8.4f} {r['auc']:>6.3f} {r['brier_sts']:>6.3f}"
+            f"{r['ece_sts']:>8.4f} {auc:>6} {r['brier_sts']:>6.3f}"
         )
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from specserve.cli_args import (
     named,
     sampling_params,
 )
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import SamplingParams, SpecserveError, check
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -88,7 +88,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--prompts", required=True, help="comma-separated JSONL files ({'turns': [...]} rows)")
     cal.add_argument("--num-prompts", type=int, default=20, help="per file")
     cal.add_argument("--max-tokens", type=int, default=256)
-    cal.add_argument("--temperature", type=float, default=1.0)
+    cal.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the requests' sampling temperature: calibrate at the one served (0: greedy, where a draft is "
+        "accepted only if it is the target's top token)",
+    )
     cal.add_argument("--output-dir", default=None, help="default: the drafter's checkpoint directory")
     cal.set_defaults(func=_calibrate)
 
@@ -99,6 +105,7 @@ def _data_regenerate(args: argparse.Namespace) -> int:
 
     if bool(args.prompts) == bool(args.code_prompts):
         raise SpecserveError("give one of --prompts FILE.jsonl or --code-prompts N")
+    check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     check_output(args.output)
     prompts = read_prompts(args.prompts) if args.prompts else code_prompts(args.code_prompts, seed=args.seed)
     llm = LLM(**engine_kwargs(args))
@@ -198,8 +205,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         check_output(args.output_dir, directory=True)
     texts = [p for path in args.prompts.split(",") for p in read_prompts(path)[: args.num_prompts]]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(**engine_kwargs(args))
     prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])} for p in texts]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     print(format_report(calibrate(llm, prompts, params, args.output_dir)))
     return 0

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, check
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -45,6 +45,7 @@ def read_curve(name: str, run: str | Path, window: int) -> Curve:
         )
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise SpecserveError(f"{path}: not a `specserve train` metrics log ({e!r})") from e
+    check(bool(rows), f"{path}: no steps logged yet")
     return Curve(
         name,
         [r["step"] for r in rows],

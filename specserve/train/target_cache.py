@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, check
 from specserve.train.trainer import Sample
 
 RECORD = struct.Struct("<QII5Q")  # 56 bytes
@@ -263,6 +263,11 @@ def build_target_cache(
 
     tokenized = [tokenize_conversation(tokenizer, c, max_length) for c in conversations]
     kept = [(ids, mask) for ids, mask in tokenized if sum(mask) >= min_loss_tokens]
+    check(
+        bool(kept),
+        f"none of the {len(tokenized)} samples has >= {min_loss_tokens} loss tokens (--min-loss-tokens): "
+        "the cache would be empty",
+    )
     hidden = target.config.hidden_size
     tokens = sum(len(ids) for ids, _ in kept)
     size = tokens * bytes_per_token(hidden, len(layer_ids))

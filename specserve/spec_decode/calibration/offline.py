@@ -32,11 +32,12 @@ def ece(pred: torch.Tensor, label: torch.Tensor, num_bins: int = NUM_BINS) -> fl
     return float(gap.abs().sum() / count.sum())
 
 
-def auc(pred: torch.Tensor, label: torch.Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney, ties counted one half); nan with one class only."""
+def auc(pred: torch.Tensor, label: torch.Tensor) -> float | None:
+    """Area under the ROC curve (Mann-Whitney, ties counted one half); None (undefined) with one class
+    only, as when every round ended alike at a position (e.g. greedy drafts that never get that far)."""
     pos, neg = pred[label > 0.5].double(), pred[label <= 0.5].double()
     if len(pos) == 0 or len(neg) == 0:
-        return float("nan")
+        return None
     greater = (pos[:, None] > neg[None, :]).double().mean()
     ties = (pos[:, None] == neg[None, :]).double().mean()
     return float(greater + 0.5 * ties)

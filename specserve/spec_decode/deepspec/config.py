@@ -138,6 +138,8 @@ class DrafterConfig:
             ok, source, f"target_layer_ids must be a non-empty, strictly increasing list of ints, got {ids!r}"
         )
         _check(self.num_layers >= 1, source, f"num_hidden_layers {self.num_layers!r}")
+        width = self.backbone.intermediate_size
+        _check(width >= 1, source, f"intermediate_size {width!r}: a draft layer's MLP needs a width >= 1")
 
     def check_target(self, target_config, source: str = "drafter") -> None:
         """Errors naming the key when the drafter does not fit the target model."""
@@ -261,7 +263,8 @@ class DSparkConfig(DrafterConfig):
         _check(
             isinstance(self.block_size, int) and self.block_size >= 1 + self.first_draft_slot,
             source,
-            f"block_size {self.block_size!r}",
+            f"block_size {self.block_size!r}: a block of B slots drafts B - {self.first_draft_slot} tokens, "
+            f"so B must be at least {1 + self.first_draft_slot}",
         )
         _check(
             isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
