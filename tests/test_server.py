@@ -17,7 +17,7 @@ from tests.server_harness import (
     sse_payloads,
     wait_until,
 )
-from tests.tiny_models import save_tiny_chat_model
+from tests.tiny_models import CHAT_TEMPLATE, save_tiny_chat_model, save_tiny_model
 
 pytestmark = pytest.mark.kernel_agnostic
 
@@ -241,7 +241,7 @@ def test_an_error_about_one_field_names_it_in_param(server, path, body, param):
     assert error["param"] == param and error["message"].startswith(f"{param}: ")
 
 
-def test_api_key_guards_the_v1_routes_only(model_dir):
+def test_api_key_guards_the_v1_and_tokenizer_routes_only(model_dir):
     with running_server(model_dir, api_key="sesame", max_model_len=64) as srv:
         missing = httpx.post(f"{srv.url}/v1/completions", content=b"{not json")  # refused before parsing
         assert missing.status_code == 401
@@ -253,7 +253,111 @@ def test_api_key_guards_the_v1_routes_only(model_dir):
             model=MODEL_NAME, prompt="hi", max_tokens=2, **greedy()
         )
         assert reply.usage.completion_tokens == 2
-        assert srv.metric("specserve:requests_total", outcome="unauthorized") == 2
+        # The tokenizer routes sit at the root, as vLLM's do, and take the key as lm-eval sends it.
+        key = {"Authorization": "Bearer sesame"}
+        assert httpx.post(f"{srv.url}/tokenize", json={"prompt": "hi"}).status_code == 401
+        assert httpx.post(f"{srv.url}/detokenize", json={"tokens": [104]}).status_code == 401
+        assert httpx.get(f"{srv.url}/tokenizer_info").status_code == 401
+        assert httpx.post(f"{srv.url}/tokenize", json={"prompt": "hi"}, headers=key).json()["count"] == 2
+        assert httpx.get(f"{srv.url}/tokenizer_info", headers=key).status_code == 200
+        assert srv.metric("specserve:requests_total", outcome="unauthorized") == 5
+
+
+def tokenize(server, **body) -> dict:
+    response = httpx.post(f"{server.url}/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_tokenize_gives_the_ids_completions_uses_and_detokenize_gives_the_text_back(client, server):
+    text = "The sky is blue, and grass is green."
+    answer = tokenize(server, model=MODEL_NAME, prompt=text)
+    ids = answer["tokens"]
+    assert answer == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+    echoed = client.completions.create(
+        model=MODEL_NAME,
+        prompt=text,
+        max_tokens=0,
+        echo=True,
+        logprobs=0,
+        **greedy(return_tokens_as_token_ids=True),
+    )
+    assert echoed.usage.prompt_tokens == len(ids)
+    assert echoed.choices[0].logprobs.tokens == [f"token_id:{i}" for i in ids]
+    detokenized = httpx.post(f"{server.url}/detokenize", json={"model": MODEL_NAME, "tokens": ids})
+    assert detokenized.json() == {"prompt": text}
+    strs = tokenize(server, prompt="hi", return_token_strs=True)["token_strs"]
+    assert strs == ["h", "i"]
+
+
+def test_tokenize_of_messages_gives_the_chat_prompt_tokens(client, server, llm):
+    ids = tokenize(server, messages=MESSAGES)["tokens"]
+    assert ids == llm.chat(MESSAGES, engine_greedy(1))[0].prompt_token_ids
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1, **greedy())
+    assert reply.usage.prompt_tokens == len(ids)
+    without_turn = tokenize(server, messages=MESSAGES, add_generation_prompt=False)["tokens"]
+    assert len(without_turn) < len(ids) and ids[: len(without_turn)] == without_turn
+
+
+def test_tokenizer_info_carries_what_lm_eval_reads(server):
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info == {
+        "tokenizer_class": type(server.engine.tokenizer).__name__,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    # lm-eval takes the EOS id as the first id of its text, tokenized without special tokens added.
+    eos_ids = tokenize(server, prompt=info["eos_token"], add_special_tokens=False)["tokens"]
+    assert eos_ids == [server.engine.tokenizer.eos_token_id]
+
+
+BAD_TOKENIZER_REQUESTS = [
+    ("tokenize", {"prompt": 5}, "prompt"),
+    ("tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("tokenize", {"prompt": "hi", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("tokenize", {"messages": []}, "messages"),
+    ("tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("detokenize", {"tokens": [5, 999]}, "tokens"),
+    ("detokenize", {"tokens": [-1]}, "tokens.0"),
+    ("detokenize", {}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD_TOKENIZER_REQUESTS)
+def test_a_bad_tokenizer_request_is_a_400_naming_its_field(server, path, body, param):
+    response = httpx.post(f"{server.url}/{path}", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"].startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(
+    "body, names",
+    [
+        ({}, "one of prompt and messages"),
+        ({"prompt": "hi", "messages": MESSAGES}, "one of prompt and messages"),
+        ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt goes with messages"),
+    ],
+)
+def test_tokenize_takes_a_prompt_or_messages(server, body, names):
+    response = httpx.post(f"{server.url}/tokenize", json=body)
+    assert response.status_code == 400 and names in response.json()["error"]["message"]
+
+
+def test_tokenizer_routes_name_the_model_and_need_a_tokenizer(server, tmp_path):
+    response = httpx.post(f"{server.url}/tokenize", json={"model": "gpt-17", "prompt": "hi"})
+    assert response.status_code == 404 and "not served here" in response.json()["error"]["message"]
+    with running_server(save_tiny_model("qwen3", tmp_path), max_model_len=64) as ids_only:
+        for response in (
+            httpx.get(f"{ids_only.url}/tokenizer_info"),
+            httpx.post(f"{ids_only.url}/tokenize", json={"prompt": "hi"}),
+            httpx.post(f"{ids_only.url}/detokenize", json={"tokens": [5]}),
+        ):
+            assert response.status_code == 404
+            assert "no tokenizer" in response.json()["error"]["message"]
 
 
 def test_queue_bound_answers_429_with_retry_after(model_dir):

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, health and metrics, API-key check, and OpenAI-style errors.
+"""The FastAPI application: OpenAI routes, vLLM's tokenizer routes, health and metrics, API-key check, and
+OpenAI-style errors.
 
 Every error a client can cause answers with an OpenAI error body naming the problem (and, in `param`, the
 field): bad JSON, wrong types, out-of-range values, fields the server does not implement, invalid prompts
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -31,13 +33,19 @@ from specserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
 )
 from specserve.server.serving import serve_generation
+from specserve.server.tokenization import check_token_ids, token_ids, tokenizer_info
 from specserve.server.tool_calls import tool_format_of
 
 logger = logging.getLogger(__name__)
@@ -123,6 +131,9 @@ def build_app(
         if model is not None and model != model_name:
             raise HTTPException(404, f"model {model!r} is not served here; this server serves {model_name!r}")
 
+    def chat_generation(body: ChatCompletionRequest) -> ChatGeneration:
+        return ChatGeneration(body, model_name, tokenizer, limits, special_tokens, tool_format)
+
     v1 = APIRouter(prefix="/v1", responses=_ERROR_DOCS)
 
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAM_DOC})
@@ -134,7 +145,7 @@ def build_app(
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAM_DOC})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        generation = ChatGeneration(body, model_name, tokenizer, limits, special_tokens, tool_format)
+        generation = chat_generation(body)
         return await serve_generation(generation, async_engine, request, metrics)
 
     def model_card() -> ModelCard:
@@ -150,6 +161,7 @@ def build_app(
         return model_card()
 
     app.include_router(v1)
+    app.include_router(_tokenizer_routes(async_engine, check_model, chat_generation))
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Health:
@@ -164,6 +176,55 @@ def build_app(
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _tokenizer_routes(
+    async_engine: AsyncEngine,
+    check_model: Callable[[str | None], None],
+    chat_generation: Callable[[ChatCompletionRequest], ChatGeneration],
+) -> APIRouter:
+    """vLLM's tokenizer routes, at the root where vLLM (and so lm-eval) has them."""
+    engine = async_engine.engine
+    tokenizer = engine.tokenizer
+    routes = APIRouter(responses=_ERROR_DOCS)
+
+    def check(model: str | None) -> None:
+        check_model(model)
+        if tokenizer is None:
+            raise HTTPException(404, "this model has no tokenizer: it serves token ids only")
+
+    @routes.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check(body.model)
+        chat = None
+        if body.messages is not None:  # rendered as the chat route renders it, checks included
+            chat = chat_generation(
+                ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
+            )
+
+        def job() -> tuple[list[int], list[str] | None]:
+            ids = token_ids(tokenizer, body, chat)
+            return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+        ids, strs = await async_engine.on_tokenizer(job)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @routes.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check(body.model)
+        check_token_ids(body, engine.vocab_size)
+        return DetokenizeResponse(
+            prompt=await async_engine.on_tokenizer(lambda: tokenizer.decode(body.tokens))
+        )
+
+    @routes.get("/tokenizer_info")
+    async def get_tokenizer_info() -> TokenizerInfo:
+        check(None)
+        return tokenizer_info(tokenizer)
+
+    return routes
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -256,8 +317,18 @@ def _message(error: dict, field: str) -> str:
     return error["msg"]
 
 
+# Routes outside /v1 that do work for a client, so the key guards them too (vLLM leaves them open; lm-eval
+# sends its key to them as to /v1).
+KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
+def _keyed(path: str) -> bool:
+    return path.startswith("/v1/") or path in KEYED_ROUTES
+
+
 class ApiKeyCheck:
-    """Answers 401 to /v1 requests without `Authorization: Bearer <key>`, before their body is read."""
+    """Answers 401 to /v1 and tokenizer requests without `Authorization: Bearer <key>`, before their body
+    is read."""
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics):
         self.app = app
@@ -265,7 +336,7 @@ class ApiKeyCheck:
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._authorized(scope):
+        if scope["type"] == "http" and _keyed(scope["path"]) and not self._authorized(scope):
             self._metrics.count("unauthorized")
             response = error_response(
                 401,

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from specserve.config import SamplingParams, SpecserveError, StructuredOutputsParams
 from specserve.core.sequence import RequestMetrics, Sequence
@@ -51,6 +52,8 @@ class RenderedText:
 
 # A prompt, or a function that builds one; functions run on a tokenizer thread.
 PromptSource = PromptType | Callable[[], PromptType | RenderedText]
+
+T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps on its command queue before looking around
 
@@ -266,10 +269,7 @@ class AsyncEngine:
             )
         if self._num_in_flight + len(requests) > self.capacity:
             raise EngineOverloaded(f"the server is at its limit of {self.capacity} requests in flight")
-        if self._num_tokenizing >= self.max_pending_tokenization:
-            raise EngineOverloaded(
-                f"the server is at its limit of {self.max_pending_tokenization} requests being tokenized"
-            )
+        self._check_tokenizing_room()
         self._num_in_flight += len(requests)
         self._num_tokenizing += 1
         try:
@@ -293,6 +293,21 @@ class AsyncEngine:
             stream.close()
             raise
         return stream
+
+    async def on_tokenizer(self, job: Callable[[], T]) -> T:
+        """`job()` (tokenizing or decoding text) on a tokenizer thread, within the same bound as prompts."""
+        self._check_tokenizing_room()
+        self._num_tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizers, job)
+        finally:
+            self._num_tokenizing -= 1
+
+    def _check_tokenizing_room(self) -> None:
+        if self._num_tokenizing >= self.max_pending_tokenization:
+            raise EngineOverloaded(
+                f"the server is at its limit of {self.max_pending_tokenization} requests being tokenized"
+            )
 
     def abort(self, engine_ids: list[str]) -> None:
         self._commands.put(_Abort(engine_ids))

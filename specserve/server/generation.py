@@ -407,8 +407,9 @@ class ChatGeneration(Generation):
                         "accept in message content (--reject-special-tokens-in-content)",
                     )
 
-    def rendered(self) -> RenderedText:
-        """The conversation through the chat template (run on a tokenizer thread)."""
+    def rendered(self, add_generation_prompt: bool = True) -> RenderedText:
+        """The conversation through the chat template (run on a tokenizer thread); without the generation
+        prompt, as /tokenize may ask."""
         tokenizer = self._tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise SpecserveError("this model has no chat template; use /v1/completions")
@@ -416,7 +417,7 @@ class ChatGeneration(Generation):
             self._check_special_tokens()
         messages, tools = self.tools.conversation(self.messages())
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         # The template writes the special tokens itself; adding them again would double a BOS.
         return RenderedText(text)

@@ -252,6 +252,54 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- responses ------------------------------------------------------------------------------------------
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt as completions tokenizes it, or messages as chat renders them."""
+
+    model: Text | None = Field(None, description="must name the served model when given")
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, description="with messages: the tools the template shows")
+    add_generation_prompt: bool = Field(True, description="with messages: open the assistant's turn")
+    # vLLM's defaults: completions add them; a chat template writes its own.
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
+    return_token_strs: bool = Field(False, description="the tokens' strings too, as token_strs")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("prompt_or_messages", "needs one of prompt and messages")
+        chat_only = {"tools", "add_generation_prompt"} & self.model_fields_set
+        if self.prompt is not None and chat_only:
+            raise PydanticCustomError("chat_only", f"{min(chat_only)} goes with messages, not prompt")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = Field(None, description="must name the served model when given")
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """What lm-eval's remote tokenizer reads (vLLM's answer carries the tokenizer's whole config)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
