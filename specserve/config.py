@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # (defined apart so that the platform layer needs no config)
@@ -64,6 +65,16 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+def _is_int(value) -> bool:
+    """An int proper: Python counts bool as one, but True is never meant as a count, an id or a seed."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite number: NaN fails every range check silently, and inf passes some (temperature >= 0)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (names and meanings as in vLLM / the OpenAI API)."""
@@ -94,14 +105,30 @@ class SamplingParams:
         self._check_logit_bias()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        check(isinstance(self.n, int) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
+        # list() alone would take a dict's keys, a string's characters or an int's TypeError
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            check(
+                value is None or isinstance(value, list | tuple),
+                f"{name} must be a list, got {type(value).__name__}",
+            )
+            setattr(self, name, list(value or []))
+        check(_is_int(self.n) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            value = getattr(self, name)
+            check(_is_real(value), f"{name} must be a finite number, got {value!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (disabled) or >= 1, got {self.top_k}",
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}",
         )
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -114,22 +141,28 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or (_is_int(value) and 0 <= value <= 20),
+                f"{name} must be an integer in [0, 20], got {value!r}",
+            )
+        # what torch.Generator.manual_seed takes (negative seeds wrap, as vLLM's)
         check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
-        )
-        check(
-            self.prompt_logprobs is None
-            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}",
         )
+        for name in ("ignore_eos", "skip_special_tokens"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:
@@ -137,11 +170,11 @@ class SamplingParams:
         check(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias")
         for token, bias in self.logit_bias.items():
             check(
-                isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                _is_int(token) and token >= 0,
                 f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
             )
             check(
-                isinstance(bias, int | float) and not isinstance(bias, bool) and -100 <= bias <= 100,
+                _is_real(bias) and -100 <= bias <= 100,
                 f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}",
             )
         self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()} or None

@@ -146,10 +146,26 @@ def test_logprobs(qwen3_dir):
         dict(max_tokens=0),
         dict(min_p=2.0),
         dict(logprobs=-1),
+        # bool is an int to Python: top_k=True reached torch.topk mid-step and broke the engine
+        dict(top_k=True),
+        dict(logprobs=True),
+        dict(max_tokens=True),
+        dict(temperature=float("inf")),
+        dict(temperature=None),
+        dict(repetition_penalty=float("inf")),
+        dict(presence_penalty="1"),
+        dict(seed=2**64),
+        dict(seed=1.5),
+        dict(seed=True),
+        dict(stop=5),
+        dict(stop={"a": 1}),
+        dict(stop_token_ids=5),
+        dict(stop_token_ids=[True]),
+        dict(ignore_eos="no"),
     ],
 )
 def test_bad_sampling_params(kwargs):
-    with pytest.raises(SpecserveError):
+    with pytest.raises(SpecserveError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
 
 
