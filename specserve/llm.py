@@ -72,10 +72,16 @@ class LLM:
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, params)]
         for seq in seqs:
             self.engine.add_sequence(seq)
-        with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
-            while any(not s.is_finished for s in seqs):
-                for update in self.engine.step():
-                    bar.update(int(update.finished))
+        try:
+            with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
+                while any(not s.is_finished for s in seqs):
+                    for update in self.engine.step():
+                        bar.update(int(update.finished))
+        finally:
+            # a step that raised must not leave these requests scheduled: every later call would fail
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.engine.abort(seq.request_id)
         return [self.engine.final_output(s) for s in seqs]
 
     def chat(

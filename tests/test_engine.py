@@ -198,3 +198,21 @@ def test_bad_requests_fail_before_anything_runs(qwen3_dir):
 def test_bad_engine_arguments(kwargs, match, qwen3_dir):
     with pytest.raises(SpecserveError, match=match):
         LLM(**{"model": qwen3_dir, **kwargs})
+
+
+def test_a_failed_step_leaves_the_engine_usable(qwen3_dir, monkeypatch):
+    llm = LLM(qwen3_dir, kv_cache_memory="16MiB", max_model_len=64)
+    batch = prompts(2, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    sampler = llm.engine.sampler
+
+    def fail_once(*args):
+        monkeypatch.setattr(llm.engine, "sampler", sampler)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm.engine, "sampler", fail_once)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(batch, params)
+    assert not llm.engine.has_unfinished
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == reference
