@@ -5,12 +5,12 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
-from specserve.config import SamplingParams, SpecserveError, SpeculativeConfig
+from specserve.config import SamplingParams, SpecserveError, SpeculativeConfig, check
 from specserve.engine.engine import LLMEngine, PromptType
 from specserve.engine.outputs import RequestOutput
 
@@ -132,6 +132,10 @@ def _as_prompt_list(prompts) -> list:
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
         return [prompts]
+    check(
+        isinstance(prompts, Iterable),
+        f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}",
+    )
     prompt_list = list(prompts)
     if not prompt_list:
         raise SpecserveError("no prompts given")

@@ -216,3 +216,25 @@ def test_a_failed_step_leaves_the_engine_usable(qwen3_dir, monkeypatch):
         llm.generate(batch, params)
     assert not llm.engine.has_unfinished
     assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == reference
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        (None, "prompt"),
+        (5, "prompt"),
+        ([{"prompt_token_ids": None}], "token ids"),
+        ([{"prompt_token_ids": [5, 6], "prompt_token_id": [7]}], "prompt dict"),
+        ([{"prompt": "hi", "prompt_token_ids": [5]}], "prompt dict"),
+    ],
+)
+def test_bad_prompts(prompt, match, qwen3_dir):
+    llm = LLM(qwen3_dir, max_model_len=32)
+    with pytest.raises(SpecserveError, match=match):
+        llm.generate(prompt, GREEDY)
+
+
+def test_stop_token_ids_outside_the_vocabulary(qwen3_dir):
+    llm = LLM(qwen3_dir, max_model_len=32)
+    with pytest.raises(SpecserveError, match="stop_token_ids"):
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[VOCAB]))

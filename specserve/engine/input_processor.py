@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from specserve.config import SamplingParams, SpecserveError
+from specserve.config import SamplingParams, SpecserveError, check
 from specserve.core.sequence import Sequence
 from specserve.layers.sampler import make_generator
 
@@ -24,11 +24,15 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
         """Token ids, and the text when the prompt was text."""
         if isinstance(prompt, Mapping):
+            # any other key (a typo, vLLM's multi_modal_data, both at once) would be ignored silently
+            keys = sorted(map(str, prompt))
+            check(
+                keys in (["prompt_token_ids"], ["prompt"]),
+                f"a prompt dict takes exactly one key, 'prompt_token_ids' or 'prompt'; got {keys}",
+            )
             if "prompt_token_ids" in prompt:
                 return self._check_token_ids(prompt["prompt_token_ids"]), None
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            raise SpecserveError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+            return self.tokenize(prompt["prompt"])
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise SpecserveError("this model has no tokenizer: pass prompts as lists of token ids")
@@ -42,6 +46,10 @@ class InputProcessor:
         )
 
     def _check_token_ids(self, ids) -> list[int]:
+        check(
+            isinstance(ids, list | tuple),
+            f"prompt token ids must be a list of integers, got {type(ids).__name__}",
+        )
         ids = list(ids)
         if not ids:
             raise SpecserveError("the prompt is empty")
@@ -54,18 +62,20 @@ class InputProcessor:
             )
         return ids
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
-        outside = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if outside:
-            raise SpecserveError(
-                f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}"
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids in the parameters: a stop id outside the vocabulary would never stop anything."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= self.vocab_size]
+            check(
+                not outside,
+                f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}",
             )
 
     def process(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise SpecserveError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids, text = self.tokenize(prompt)
-        self._check_logit_bias(params)
+        self._check_vocabulary(params)
         if len(token_ids) >= self.max_model_len:
             raise SpecserveError(
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, so at most "
