@@ -92,7 +92,15 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        check(
+            isinstance(messages, list | tuple) and bool(messages),
+            "messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a list of them",
+        )
+        check(
+            chat_template_kwargs is None or isinstance(chat_template_kwargs, dict),
+            f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}",
+        )
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(c, **(chat_template_kwargs or {}))}
             for c in conversations
@@ -105,6 +113,12 @@ class LLM:
             raise SpecserveError("this model has no chat template; use generate() with a plain prompt")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise SpecserveError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for message in messages:
+            for key in ("role", "content"):  # the template would render anything else as its Python repr
+                value = message[key]
+                check(
+                    isinstance(value, str), f"a message's {key} must be a string, got {type(value).__name__}"
+                )
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return tokenizer(text, add_special_tokens=False).input_ids
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, SpecserveError
-from tests.tiny_models import ARCHS, VOCAB, build_reference
+from tests.tiny_models import ARCHS, VOCAB, build_reference, save_tiny_chat_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -238,3 +238,26 @@ def test_stop_token_ids_outside_the_vocabulary(qwen3_dir):
     llm = LLM(qwen3_dir, max_model_len=32)
     with pytest.raises(SpecserveError, match="stop_token_ids"):
         llm.generate([[5, 6]], SamplingParams(stop_token_ids=[VOCAB]))
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    return LLM(str(save_tiny_chat_model("qwen3", tmp_path_factory.mktemp("chat"))), max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "messages, kwargs, match",
+    [
+        # the template rendered these as their Python repr: a prompt the caller never wrote
+        ([{"role": "user", "content": 5}], {}, "content"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "content"),
+        ([{"role": None, "content": "hi"}], {}, "role"),
+        ({"role": "user", "content": "hi"}, {}, "messages"),
+        (None, {}, "messages"),
+        ([{"role": "user", "content": "hi"}], {"chat_template_kwargs": 5}, "chat_template_kwargs"),
+    ],
+)
+def test_bad_chat_messages(messages, kwargs, match, chat_llm):
+    with pytest.raises(SpecserveError, match=match):
+        chat_llm.chat(messages, GREEDY, **kwargs)
+    assert chat_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
