@@ -161,6 +161,11 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
+    # list() would take a dict's keys or a string's characters as parameters
+    check(
+        isinstance(params, list | tuple),
+        f"sampling_params must be SamplingParams or a list, got {type(params).__name__}",
+    )
     params = list(params)
     if len(params) != n:
         raise SpecserveError(f"got {len(params)} sampling_params for {n} prompts")

@@ -181,6 +181,8 @@ def test_bad_requests_fail_before_anything_runs(qwen3_dir):
         llm.generate(["hello"], GREEDY)
     with pytest.raises(SpecserveError, match="sampling_params"):
         llm.generate([[5], [6]], [GREEDY])
+    with pytest.raises(SpecserveError, match="sampling_params must be SamplingParams or a list, got dict"):
+        llm.generate([[5]], {"max_tokens": 3})
     assert not llm.engine.has_unfinished
 
 
