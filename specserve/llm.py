@@ -113,12 +113,14 @@ class LLM:
             raise SpecserveError("this model has no chat template; use generate() with a plain prompt")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise SpecserveError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        for message in messages:
-            for key in ("role", "content"):  # the template would render anything else as its Python repr
-                value = message[key]
-                check(
-                    isinstance(value, str), f"a message's {key} must be a string, got {type(value).__name__}"
-                )
+        for message in messages:  # the template would render anything else as its Python repr
+            role, content = message["role"], message["content"]
+            check(isinstance(role, str), f"a message's role must be a string, got {type(role).__name__}")
+            check(
+                isinstance(content, str) or (content is None and "tool_calls" in message),
+                f"a message's content must be a string (or null beside tool_calls), got "
+                f"{type(content).__name__}",
+            )
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return tokenizer(text, add_special_tokens=False).input_ids
 

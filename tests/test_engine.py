@@ -253,6 +253,7 @@ def chat_llm(tmp_path_factory):
         # the template rendered these as their Python repr: a prompt the caller never wrote
         ([{"role": "user", "content": 5}], {}, "content"),
         ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "content"),
+        ([{"role": "user", "content": None}], {}, "content"),  # null only beside an assistant's tool_calls
         ([{"role": None, "content": "hi"}], {}, "role"),
         ({"role": "user", "content": "hi"}, {}, "messages"),
         (None, {}, "messages"),
