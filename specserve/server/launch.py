@@ -43,7 +43,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         for sock in sockets or ():  # uvicorn names the address only of the sockets it binds itself
             host, port = sock.getsockname()[:2]
-            logger.info("ready: listening on %s, port %d", host, port)
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs write it
+            logger.info("ready: serving on http://%s:%d (Ctrl+C or SIGTERM to stop)", host, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.async_engine.draining:
