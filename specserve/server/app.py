@@ -188,14 +188,14 @@ def _tokenizer_routes(
     tokenizer = engine.tokenizer
     routes = APIRouter(responses=_ERROR_DOCS)
 
-    def check(model: str | None) -> None:
+    def check_served(model: str | None) -> None:
         check_model(model)
         if tokenizer is None:
             raise HTTPException(404, "this model has no tokenizer: it serves token ids only")
 
     @routes.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        check(body.model)
+        check_served(body.model)
         chat = None
         if body.messages is not None:  # rendered as the chat route renders it, checks included
             chat = chat_generation(
@@ -213,7 +213,7 @@ def _tokenizer_routes(
 
     @routes.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        check(body.model)
+        check_served(body.model)
         check_token_ids(body, engine.vocab_size)
         return DetokenizeResponse(
             prompt=await async_engine.on_tokenizer(lambda: tokenizer.decode(body.tokens))
@@ -221,7 +221,7 @@ def _tokenizer_routes(
 
     @routes.get("/tokenizer_info")
     async def get_tokenizer_info() -> TokenizerInfo:
-        check(None)
+        check_served(None)
         return tokenizer_info(tokenizer)
 
     return routes

@@ -132,7 +132,8 @@ class NoOpFields(_Request):
 
 
 def _nullable_in_schema(schema: dict) -> None:
-    # The published schema says what `_null_means_the_default` takes (OpenAPI 3.1: a list of types).
+    # The published schema says that NULLABLE fields take null (`_null_asks_for_nothing`; OpenAPI 3.1: a
+    # list of types).
     for name in NULLABLE:
         field = schema["properties"].get(name)
         if field is not None and "type" in field:
@@ -251,7 +252,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply")
 
 
-# ---- responses ------------------------------------------------------------------------------------------
+# ---- vLLM's tokenizer routes ----------------------------------------------------------------------------
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt as completions tokenizes it, or messages as chat renders them."""
 
@@ -300,6 +301,7 @@ class TokenizerInfo(BaseModel):
     chat_template: str | None
 
 
+# ---- responses ------------------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
