@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specserve.bench.serve.benchmark import BenchSettings, benchmark_server, read_jsonl
+from specserve.bench.serve.benchmark import BenchSettings, benchmark_server
 from specserve.bench.serve.client import ServerDied, chats
 from specserve.bench.serve.datasets import Vocabulary, build_requests
 from specserve.bench.serve.metrics import RequestRecord, Sla, summarize
@@ -26,6 +26,7 @@ from specserve.bench.serve.server_counters import ServerCounters, prefix_cache_s
 from specserve.bench.serve.sweep import load_sweep_config
 from specserve.cli import main
 from specserve.config import SpecserveError, SpeculativeConfig
+from specserve.jsonl import read_jsonl
 from specserve.local_port import free_local_port
 from tests.server_harness import running_server, wait_until
 from tests.tiny_models import SPECIAL_TOKENS, VOCAB, save_tiny_chat_model

@@ -3,11 +3,11 @@ from the metrics logs `specserve train` writes, smoothed over a window of steps,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.config import SpecserveError, check
+from specserve.jsonl import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -39,11 +39,11 @@ def read_curve(name: str, run: str | Path, window: int) -> Curve:
     if not path.is_file():
         raise SpecserveError(f"{path}: no training metrics (a directory `specserve train` wrote?)")
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         rows = sorted(
-            ({"step": r["step"], "ce": r["ce"], "tau": r["tau"]} for r in rows), key=lambda r: r["step"]
+            ({"step": r["step"], "ce": r["ce"], "tau": r["tau"]} for r in read_jsonl(path)),
+            key=lambda r: r["step"],
         )
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise SpecserveError(f"{path}: not a `specserve train` metrics log ({e!r})") from e
     check(bool(rows), f"{path}: no steps logged yet")
     return Curve(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.config import SamplingParams, SpecserveError, check
+from specserve.jsonl import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -152,19 +153,6 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     conversations = [r["conversations"] for r in rows if r.get("status", "success") == "success"]
     check(bool(conversations), f"{path} has no successful conversations")
     return conversations
-
-
-def read_jsonl(path: str | Path) -> list:
-    """The rows of a JSON-lines file (blank lines skipped); a missing file or a line that is not JSON is
-    the user's mistake, said as such."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecserveError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    try:
-        return [json.loads(line) for line in lines if line.strip()]
-    except json.JSONDecodeError as e:
-        raise SpecserveError(f"{path} is not JSON lines: {e}") from None
 
 
 def regenerate(

@@ -176,11 +176,6 @@ def append_jsonl(path: Path, result: dict) -> None:
         f.write(json.dumps(result) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def format_result(result: dict) -> str:
     """One line per level for the terminal."""
 

@@ -19,12 +19,11 @@ repeat.
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from specserve.config import SpecserveError
+from specserve.jsonl import read_jsonl
 
 USER_TURN_LEN = 64
 DEFAULT_TURNS = 4
@@ -83,12 +82,12 @@ def build_requests(
             -(-num_prompts // turns), turns, vocabulary.random_ids, input_len, output_len, seed
         )
     if kind == "eval" and path:
-        rows = _read_jsonl(Path(path))
+        rows = read_jsonl(path)
         if any(not isinstance(row.get("turns"), list) or not row["turns"] for row in rows):
             raise SpecserveError(f"{path}: eval files hold {{'turns': [...]}} per line")
         prompt_ids = lambda row: vocabulary.encode_chat(row["turns"][0])
     elif kind == "jsonl" and path:
-        rows = _read_jsonl(Path(path))
+        rows = read_jsonl(path)
         prompt_ids = lambda row: _prompt_ids(row, vocabulary, path)
     else:
         raise SpecserveError(
@@ -124,22 +123,3 @@ def _prompt_ids(row: dict, vocabulary: Vocabulary, path: str) -> list[int]:
     if "prompt" in row:
         return vocabulary.encode(row["prompt"])
     raise SpecserveError(f"{path}: each line needs 'prompt' or 'prompt_token_ids', got keys {sorted(row)}")
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise SpecserveError(f"cannot read dataset {path}: {exc.strerror}") from None
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecserveError(f"{path}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise SpecserveError(f"{path}:{number}: each line must be a JSON object")
-        rows.append(row)
-    return rows

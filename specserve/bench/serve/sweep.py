@@ -22,11 +22,12 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench.serve.benchmark import BenchSettings, benchmark_server, read_jsonl
+from specserve.bench.serve.benchmark import BenchSettings, benchmark_server
 from specserve.bench.serve.client import ServerDied
 from specserve.bench.serve.metrics import Sla
 from specserve.bench.serve.report import Anchors, write_report
 from specserve.config import SpecserveError
+from specserve.jsonl import read_jsonl
 from specserve.local_port import free_local_port
 
 STOP_TIMEOUT_S = 60.0  # SIGTERM drains live requests (none are left after a run), then we kill
