@@ -26,7 +26,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -377,13 +378,8 @@ class AsyncEngine:
         for request in requests:
             if last_ids is None or request.prompt is not last_source:
                 last_source = request.prompt
-                try:
+                with the_requests_fault("the prompt could not be tokenized"):
                     last_ids = self._token_ids(_build(request.prompt))
-                except SpecserveError:
-                    raise
-                except Exception as exc:  # the tokenizer refused the text: the request's fault, not ours
-                    message = f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
-                    raise SpecserveError(message) from exc
                 if len(last_ids) >= max_len:
                     raise SpecserveError(
                         f"the prompt has {len(last_ids)} tokens; max_model_len is {max_len}, so at most "
@@ -590,6 +586,18 @@ class _StatsWindow:
     start: float
     spec: SpecStats
     generated_tokens: int = 0
+
+
+@contextmanager
+def the_requests_fault(what: str) -> Iterator[None]:
+    """An error of the tokenizer or the chat template on a request's text is that request's 400 (a
+    SpecserveError saying `what`), not the server's 500."""
+    try:
+        yield
+    except SpecserveError:
+        raise
+    except Exception as exc:
+        raise SpecserveError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def _build(prompt: PromptSource) -> PromptType | RenderedText:

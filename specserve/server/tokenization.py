@@ -8,7 +8,7 @@ and tokenizes them, so counts and truncation done with these ids hold for those 
 
 from __future__ import annotations
 
-from specserve.config import SpecserveError
+from specserve.server.async_engine import the_requests_fault
 from specserve.server.generation import ChatGeneration
 from specserve.server.protocol import DetokenizeRequest, RequestFieldError, TokenizeRequest, TokenizerInfo
 
@@ -18,12 +18,8 @@ def token_ids(tokenizer, body: TokenizeRequest, chat: ChatGeneration | None) -> 
     if chat is None:
         add_special_tokens = body.add_special_tokens is not False
         return tokenizer(body.prompt, add_special_tokens=add_special_tokens).input_ids
-    try:
+    with the_requests_fault("the messages could not be rendered"):
         text = chat.rendered(body.add_generation_prompt).text
-    except SpecserveError:
-        raise
-    except Exception as exc:  # the template refused the conversation: the request's fault, as for chat
-        raise SpecserveError(f"the messages could not be rendered: {type(exc).__name__}: {exc}") from exc
     return tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
 
 
