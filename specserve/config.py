@@ -27,20 +27,30 @@ class StructuredOutputsParams:
         given = [
             name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
-        check(len(given) == 1, f"structured_outputs takes exactly one constraint, got {given or 'none'}")
+        check(
+            len(given) == 1,
+            f"structured_outputs takes exactly one constraint, got {given or 'none'}",
+            "structured_outputs",
+        )
         check(
             self.json is None or isinstance(self.json, dict | str),
             "structured_outputs.json must be a JSON schema (an object or its JSON text)",
+            "structured_outputs.json",
         )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            check(value is None or isinstance(value, str), f"structured_outputs.{name} must be a string")
+            check(
+                value is None or isinstance(value, str),
+                f"structured_outputs.{name} must be a string",
+                f"structured_outputs.{name}",
+            )
         if self.choice is not None:
             check(
                 isinstance(self.choice, list | tuple)
                 and bool(self.choice)
                 and all(isinstance(c, str) and c for c in self.choice),
                 "structured_outputs.choice must be a non-empty list of non-empty strings",
+                "structured_outputs.choice",
             )
             self.choice = list(self.choice)
 
@@ -57,11 +67,15 @@ class StructuredOutputsParams:
     def from_value(cls, value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
         if value is None or isinstance(value, cls):
             return value
-        check(isinstance(value, dict), f"structured_outputs must be a mapping, got {type(value).__name__}")
+        check(
+            isinstance(value, dict),
+            f"structured_outputs must be a mapping, got {type(value).__name__}",
+            "structured_outputs",
+        )
         unknown = sorted(
             set(value) - {"json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace"}
         )
-        check(not unknown, f"structured_outputs has unknown keys {unknown}")
+        check(not unknown, f"structured_outputs has unknown keys {unknown}", "structured_outputs")
         return cls(**value)
 
 
@@ -167,15 +181,19 @@ class SamplingParams:
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:
             return
-        check(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias")
+        check(
+            isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias", "logit_bias"
+        )
         for token, bias in self.logit_bias.items():
             check(
                 _is_int(token) and token >= 0,
                 f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+                "logit_bias",
             )
             check(
                 _is_real(bias) and -100 <= bias <= 100,
                 f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}",
+                "logit_bias",
             )
         self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()} or None
 

@@ -17,7 +17,7 @@ from tests.server_harness import (
     sse_payloads,
     wait_until,
 )
-from tests.tiny_models import CHAT_TEMPLATE, save_tiny_chat_model, save_tiny_model
+from tests.tiny_models import CHAT_TEMPLATE, VOCAB, save_tiny_chat_model, save_tiny_model
 
 pytestmark = pytest.mark.kernel_agnostic
 
@@ -239,6 +239,32 @@ FIELD_ERRORS = [
 def test_an_error_about_one_field_names_it_in_param(server, path, body, param):
     error = httpx.post(f"{server.url}/v1/{path}", json=body).json()["error"]
     assert error["param"] == param and error["message"].startswith(f"{param}: ")
+
+
+# The engine's checks name their field too, as the request names it: chat's prompt is its messages.
+ENGINE_FIELD_ERRORS = [
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ("chat/completions", {"messages": MESSAGES, "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ("completions", {"prompt": [5, VOCAB]}, "prompt"),
+    ("completions", {"prompt": [5] * 256}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
+    ("completions", {"prompt": [5] * 200, "max_tokens": 100}, "max_tokens"),
+    ("chat/completions", {"messages": MESSAGES, "max_tokens": 250}, "max_tokens"),
+    ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": 250}, "max_completion_tokens"),
+    (
+        "completions",
+        {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        "structured_outputs",
+    ),
+    ("completions", {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", ENGINE_FIELD_ERRORS)
+def test_the_engines_checks_name_the_field_in_param(server, path, body, param):
+    response = httpx.post(f"{server.url}/v1/{path}", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_api_key_guards_the_v1_and_tokenizer_routes_only(model_dir):

@@ -379,6 +379,7 @@ def test_a_prompt_certain_to_exceed_the_context_is_refused_before_it_is_tokenize
     body = {"prompt": text} if path == "completions" else {"messages": [{"role": "user", "content": text}]}
     error = error_of(httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60))
     assert f"max_model_len is {MAX_MODEL_LEN}" in error["message"]
+    assert error["param"] == ("prompt" if path == "completions" else "messages")
     assert max(tokenized_lengths, default=0) < 100 * MAX_MODEL_LEN  # a bounded prefix at most
     # A prompt just over the context is still counted exactly.
     body = {"prompt": "x" * (MAX_MODEL_LEN + 5)}

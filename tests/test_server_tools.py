@@ -282,6 +282,16 @@ def test_gemma_required_gives_a_tool_code_call(gemma_dir):
     check_calls(reply.choices[0].message.tool_calls)
 
 
+def test_a_conversation_the_template_refuses_is_a_400_naming_messages(gemma_dir):
+    messages = [{"role": "assistant", "content": "hi"}]  # Gemma's template wants the user first
+    with running_server(gemma_dir, max_model_len=256) as srv:
+        for route in ("v1/chat/completions", "tokenize"):
+            response = httpx.post(f"{srv.url}/{route}", json={"messages": messages})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "messages" and "roles must alternate" in error["message"], error
+
+
 # ---- forced and free calls, streamed and not --------------------------------------------------------------
 def test_required_calls_follow_the_parameters(client):
     # A random model never stops calling, so its last call is cut off and stays content.

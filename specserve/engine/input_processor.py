@@ -29,36 +29,40 @@ class InputProcessor:
             check(
                 keys in (["prompt_token_ids"], ["prompt"]),
                 f"a prompt dict takes exactly one key, 'prompt_token_ids' or 'prompt'; got {keys}",
+                "prompt",
             )
             if "prompt_token_ids" in prompt:
                 return self._check_token_ids(prompt["prompt_token_ids"]), None
             return self.tokenize(prompt["prompt"])
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise SpecserveError("this model has no tokenizer: pass prompts as lists of token ids")
+                raise SpecserveError(
+                    "this model has no tokenizer: pass prompts as lists of token ids", "prompt"
+                )
             if not prompt:
-                raise SpecserveError("the prompt is empty")
+                raise SpecserveError("the prompt is empty", "prompt")
             return self.tokenizer(prompt).input_ids, prompt
         if isinstance(prompt, list | tuple):
             return self._check_token_ids(prompt), None
         raise SpecserveError(
-            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}", "prompt"
         )
 
     def _check_token_ids(self, ids) -> list[int]:
         check(
             isinstance(ids, list | tuple),
             f"prompt token ids must be a list of integers, got {type(ids).__name__}",
+            "prompt",
         )
         ids = list(ids)
         if not ids:
-            raise SpecserveError("the prompt is empty")
+            raise SpecserveError("the prompt is empty", "prompt")
         bad = [
             t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
         ]
         if bad:
             raise SpecserveError(
-                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}"
+                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}", "prompt"
             )
         return ids
 
@@ -69,6 +73,7 @@ class InputProcessor:
             check(
                 not outside,
                 f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}",
+                name,
             )
 
     def process(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Sequence:
@@ -79,7 +84,8 @@ class InputProcessor:
         if len(token_ids) >= self.max_model_len:
             raise SpecserveError(
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, so at most "
-                f"{self.max_model_len - 1} prompt tokens leave room for one generated token"
+                f"{self.max_model_len - 1} prompt tokens leave room for one generated token",
+                "prompt",
             )
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)

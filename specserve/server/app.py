@@ -248,7 +248,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(SpecserveError)
     async def invalid_arguments(request: Request, exc: SpecserveError) -> JSONResponse:
-        return fail(request, 400, str(exc), param=getattr(exc, "param", None))  # RequestFieldError's
+        return fail(request, 400, str(exc), param=exc.param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -378,19 +378,21 @@ class AsyncEngine:
         for request in requests:
             if last_ids is None or request.prompt is not last_source:
                 last_source = request.prompt
-                with the_requests_fault("the prompt could not be tokenized"):
+                with the_requests_fault("the prompt could not be tokenized", "prompt"):
                     last_ids = self._token_ids(_build(request.prompt))
                 if len(last_ids) >= max_len:
                     raise SpecserveError(
                         f"the prompt has {len(last_ids)} tokens; max_model_len is {max_len}, so at most "
-                        f"{max_len - 1} prompt tokens leave room for one generated token"
+                        f"{max_len - 1} prompt tokens leave room for one generated token",
+                        "prompt",
                     )
             max_tokens = request.params.max_tokens
             if request.strict_max_tokens and max_tokens and len(last_ids) + max_tokens > max_len:
                 total = len(last_ids) + max_tokens
                 raise SpecserveError(
                     f"max_model_len is {max_len} tokens, but this request asks for {total} ({len(last_ids)} "
-                    f"in the prompt, max_tokens {max_tokens}); shorten the prompt or lower max_tokens"
+                    f"in the prompt, max_tokens {max_tokens}); shorten the prompt or lower max_tokens",
+                    "max_tokens",
                 )
             prepared.append(dataclasses.replace(request, prompt={"prompt_token_ids": last_ids}))
         return prepared
@@ -589,15 +591,15 @@ class _StatsWindow:
 
 
 @contextmanager
-def the_requests_fault(what: str) -> Iterator[None]:
-    """An error of the tokenizer or the chat template on a request's text is that request's 400 (a
-    SpecserveError saying `what`), not the server's 500."""
+def the_requests_fault(what: str, param: str) -> Iterator[None]:
+    """An error of the tokenizer or the chat template on a request's text (its `param`) is that request's
+    400 (a SpecserveError saying `what`), not the server's 500."""
     try:
         yield
     except SpecserveError:
         raise
     except Exception as exc:
-        raise SpecserveError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise SpecserveError(f"{what}: {type(exc).__name__}: {exc}", param) from exc
 
 
 def _build(prompt: PromptSource) -> PromptType | RenderedText:

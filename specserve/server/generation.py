@@ -169,6 +169,10 @@ class Generation:
         """Schemas the request carries beside its output constraint, to compile (and so check)."""
         return []
 
+    def field_of(self, param: str | None) -> str | None:
+        """The request field that holds the engine's argument `param` (an error's `param` names it)."""
+        return param
+
     def _engine_request(self, prompt, params: SamplingParams, strict: bool, field: str | None = None):
         """One choice's EngineRequest; its constraint's field named as the body names it."""
         if params.structured_outputs is not None and field is None:
@@ -432,6 +436,13 @@ class ChatGeneration(Generation):
 
     def schema_checks(self) -> list[tuple[str, StructuredOutputsParams]]:
         return self.tools.schema_checks()
+
+    def field_of(self, param: str | None) -> str | None:
+        if param == "prompt":  # the conversation, rendered
+            return "messages"
+        if param == "max_tokens" and self.body.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
 
     def engine_requests(self) -> list[EngineRequest]:
         max_tokens = self.body.max_completion_tokens or self.body.max_tokens

@@ -200,7 +200,8 @@ class PromptBound:
             raise SpecserveError(
                 f"the prompt has {len(text)} characters, so at least {len(text) // self.max_token_chars} "
                 f"tokens (no token of this tokenizer spans more than {self.max_token_chars}); max_model_len "
-                f"is {limit}"
+                f"is {limit}",
+                "prompt",
             )
         prefix = self.PREFIX_CHARS_PER_TOKEN * (limit + self.MARGIN_TOKENS)
         if len(text) <= prefix:
@@ -212,5 +213,6 @@ class PromptBound:
             raise SpecserveError(
                 f"the prompt has more than {counted} tokens (counted in its first {cut} of {len(text)} "
                 f"characters); max_model_len is {limit}, so at most {limit - 1} prompt tokens leave room for "
-                "one generated token"
+                "one generated token",
+                "prompt",
             )

@@ -83,8 +83,7 @@ class RequestFieldError(SpecserveError):
     """A 400 about one field of the request: the message starts with the field, and `param` names it."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
+        super().__init__(f"{param}: {message}", param)
 
 
 class _Request(BaseModel):

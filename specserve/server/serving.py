@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from specserve.config import SpecserveError
 from specserve.server.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
 from specserve.server.generation import Generation
 from specserve.server.metrics import ServerMetrics
@@ -33,13 +34,17 @@ async def serve_generation(
 ) -> Response:
     """Raises SpecserveError (400), EngineOverloaded (429), EngineUnavailable (503), RequestFailed (500)."""
     arrival = time.monotonic()
-    submitting = engine.submit(
-        generation.id,
-        generation.engine_requests(),
-        generation.schema_checks(),
-        generation.limits.grammar_compile_timeout_s,
-    )
-    stream = await _unless_disconnected(submitting, request)
+    try:
+        submitting = engine.submit(
+            generation.id,
+            generation.engine_requests(),
+            generation.schema_checks(),
+            generation.limits.grammar_compile_timeout_s,
+        )
+        stream = await _unless_disconnected(submitting, request)
+    except SpecserveError as exc:  # the engine names its own arguments: name the request's fields
+        exc.param = generation.field_of(exc.param)
+        raise
     if stream is None:  # the client left while its constraints compiled or its prompt was tokenized
         metrics.record_request(generation.id, arrival, [], generation.usage(), "aborted")
         return Response(status_code=499)

@@ -18,7 +18,7 @@ def token_ids(tokenizer, body: TokenizeRequest, chat: ChatGeneration | None) -> 
     if chat is None:
         add_special_tokens = body.add_special_tokens is not False
         return tokenizer(body.prompt, add_special_tokens=add_special_tokens).input_ids
-    with the_requests_fault("the messages could not be rendered"):
+    with the_requests_fault("the messages could not be rendered", "messages"):
         text = chat.rendered(body.add_generation_prompt).text
     return tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
 
