@@ -232,6 +232,7 @@ FIELD_ERRORS = [
         {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
         "response_format.json_schema",
     ),
+    ("completions", {"prompt": "hi", "stream": None, "stream_options": {}}, "stream_options"),
 ]
 
 
@@ -265,6 +266,14 @@ ENGINE_FIELD_ERRORS = [
 def test_the_engines_checks_name_the_field_in_param(server, path, body, param):
     response = httpx.post(f"{server.url}/v1/{path}", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_stream_options_need_stream_and_a_null_is_as_absent(client):
+    args = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(stream_options={"include_usage": True}, **args)
+    assert refused.value.status_code == 400 and refused.value.param == "stream_options"
+    assert client.chat.completions.create(stream_options=None, **args).choices
 
 
 def test_api_key_guards_the_v1_and_tokenizer_routes_only(model_dir):

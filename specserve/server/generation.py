@@ -137,6 +137,8 @@ class Generation:
             raise RequestFieldError(
                 "stop", f"at most {self.limits.max_stop_strings} stop strings per request, got {len(stop)}"
             )
+        if body.stream_options is not None and not body.stream:
+            raise RequestFieldError("stream_options", "only allowed when stream is true")
         self._check_constraints()
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
