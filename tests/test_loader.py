@@ -101,9 +101,15 @@ def gguf_writer(path, arch: str, layers: int, hidden: int, ffn: int, heads: int,
 
 
 def write_tiny_gguf(
-    path: Path, arch: str = "qwen2", *, tokenizer: bool = False, lm_head: bool = False
+    path: Path,
+    arch: str = "qwen2",
+    *,
+    tokenizer: bool = False,
+    lm_head: bool = False,
+    vocabless: bool = False,
 ) -> dict[str, np.ndarray]:
-    """A tiny GGUF in llama.cpp's conventions; returns the HF tensors the conversion must produce."""
+    """A tiny GGUF in llama.cpp's conventions; returns the HF tensors the conversion must produce.
+    `vocabless`: a model without a vocabulary, as llama.cpp marks one (tokenizer model "no_vocab")."""
     rng = np.random.default_rng(0)
     head_dim = H // HEADS
     tokens = _bytes_to_unicode() + ["Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -118,6 +124,8 @@ def write_tiny_gguf(
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(2)
         w.add_expert_feed_forward_length(EXPERT_FFN)
+    if vocabless:
+        w.add_tokenizer_model("no_vocab")
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")
@@ -310,6 +318,16 @@ def test_tiny_qwen2_gguf_converts_to_hf_names_and_values(tmp_path, cache):
     assert resolve_model(str(tmp_path)) == out
 
 
+def test_gguf_without_a_vocabulary_serves_token_ids(tmp_path, cache):
+    """llama.cpp's "no_vocab" tokenizer (a model of token ids; transformers builds no tokenizer of it)."""
+    src = tmp_path / "vocabless.gguf"
+    write_tiny_gguf(src, "qwen3moe", vocabless=True)
+    llm = LLM(str(src), quantization="int4", max_model_len=64, kv_cache_memory="4MiB")
+    assert llm.tokenizer is None
+    out = llm.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
 def test_tiny_gemma3_gguf_norms_are_unshifted(tmp_path, cache):
     src = tmp_path / "tiny-gemma3.gguf"
     expected = write_tiny_gguf(src, "gemma3")
@@ -344,7 +362,9 @@ def test_tiny_qwen3_gguf_with_lm_head(tmp_path, cache, arch):
 def test_gguf_conversion_shards_and_tokenizer(tmp_path, cache):
     src = tmp_path / "tok.gguf"
     expected = write_tiny_gguf(src, "qwen2", tokenizer=True)
-    out = sgguf.convert_gguf(src, cache / "sharded", max_shard_bytes=8 << 10, progress=lambda _: None)
+    out = sgguf.convert_gguf(src, cache / "sharded", progress=lambda _: None)
+    assert not list(out.glob("*.safetensors"))  # written when a load first needs them
+    sgguf.ensure_fp32_weights(out, max_shard_bytes=8 << 10)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     _assert_converted(out, expected)
@@ -363,13 +383,59 @@ def test_interrupted_conversion_leaves_nothing_behind(tmp_path, cache, monkeypat
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sgguf, "write_tokenizer", boom)  # dies after the weights were written
+    monkeypatch.setattr(sgguf, "write_tokenizer", boom)  # dies after the config was written
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(src))
     assert [p.name for p in (cache / "converted").iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.undo()
     monkeypatch.setenv("SPECSERVE_CACHE", str(cache))
     _assert_converted(resolve_model(str(src)), expected)
+
+
+def test_quantized_gguf_load_writes_no_fp32_copy(tmp_path, cache):
+    """A GGUF loaded quantized is read from the file: its conversion holds no fp32 weights (a 30B MoE's would
+    be 120 GB) until a load needs them, then they are written once."""
+    from specserve.models.loader import load_model
+
+    src = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(src, "qwen2")
+    out = sgguf.converted_dir(sgguf.gguf_cache_key(src))
+    for mode in ("int4", "int8"):
+        load_model(str(src), quantization=mode)
+        assert sgguf.is_converted(out) and not list(out.glob("*.safetensors"))
+    dense, _, _ = load_model(str(src))  # fp32: the weights are written now, and then kept
+    _assert_converted(out, expected)
+    assert torch.equal(
+        dense.get_parameter("model.embed_tokens.weight"),
+        torch.from_numpy(expected["model.embed_tokens.weight"]),
+    )
+    written = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    load_model(str(src))
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == written
+
+
+def test_fp32_weights_of_a_gguf_that_is_gone(tmp_path, cache, monkeypatch):
+    """Weights written later need the GGUF still there: a clear error where it went; an interrupted write
+    leaves the conversion without weights, and the next load writes them."""
+    src = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(src, "qwen2")
+    out = resolve_model(str(src), need_weights=False)
+
+    def boom(reader, plan, out_dir, *args, **kwargs):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sgguf, "write_weights", boom)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(str(src))
+    assert not list(out.glob("*.safetensors")) and not list(out.glob(".weights.tmp-*"))
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECSERVE_CACHE", str(cache))
+    moved = src.rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(SpecserveError, match="needs its fp32 weights from .*tiny.gguf, which is gone"):
+        resolve_model(str(out))
+    moved.rename(src)
+    _assert_converted(resolve_model(str(out)), expected)
 
 
 def test_unsupported_gguf_architecture(tmp_path, cache):

@@ -215,7 +215,7 @@ def _llama_gguf(model: str) -> Path | None:
     from specserve.models.gguf import gguf_source
     from specserve.models.loader import resolve_model
 
-    gguf = gguf_source(resolve_model(model))
+    gguf = gguf_source(resolve_model(model, need_weights=False))
     if gguf is None:
         print(f"llama.cpp skipped: {model} was not converted from a GGUF")
     elif importlib.util.find_spec("llama_cpp") is None:

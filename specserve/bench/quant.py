@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> dict:
     wait = os.environ.get("OMP_WAIT_POLICY")
     print(f"torch {torch.__version__}, {threads} threads, OMP_WAIT_POLICY={wait}, load {os.getloadavg()}")
     print(f"specserve kernels: {kernels.isa_name()}")
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, need_weights=False)
     tokenizer = load_tokenizer(model_dir)
     sources = source_tokens(tokenizer, PROMPT_MODULES)
     prompt_sets = {"chat": chat_prompts(tokenizer), "code": [p[: args.prompt_len] for p in sources]}

@@ -67,8 +67,8 @@ class LLMEngine:
         _freeze_import_heap()
         self.config = config
         config.platform.make_current()  # "cuda:1": Triton launches its kernels on the current GPU
-        self.model_dir = resolve_model(
-            config.model, revision=config.revision, need_weights=config.load_format != "dummy"
+        self.model_dir = resolve_model(  # for its config and tokenizer: `load_model` reads the weights
+            config.model, revision=config.revision, need_weights=False
         )
         # Tensor parallelism: worker ranks load their shards while this process (rank 0) loads its own.
         split = config.tensor_parallel_size > 1

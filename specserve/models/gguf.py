@@ -1,10 +1,12 @@
-"""GGUF -> HF-format directory (config.json + fp32 safetensors + tokenizer), converted once and cached.
+"""GGUF -> HF-format directory (config.json + tokenizer, fp32 safetensors on first need), cached.
 
 The engine only loads HF-format directories (fast: mmap'd safetensors). A GGUF file is turned into one
-here: every tensor is dequantized with `gguf.quants.dequantize`, renamed to its HF checkpoint name and
+here: the config is rebuilt from the GGUF metadata and the tokenizer built once by transformers from the
+GGUF (`convert_gguf`). The fp32 weights come later, when a load first needs them (`ensure_fp32_weights`):
+every tensor is dequantized with `gguf.quants.dequantize`, renamed to its HF checkpoint name and
 un-transformed where llama.cpp's `convert_hf_to_gguf.py` transformed it, then streamed into fp32
-safetensors. The config is rebuilt from the GGUF metadata; the tokenizer is built once by transformers
-from the GGUF and saved next to the weights.
+safetensors. A quantized load reads the GGUF itself (below) and never needs them: a Q4_K_M file of a 30B
+mixture of experts (18 GB) would otherwise first become 120 GB of fp32 on disk.
 
 GGUF conventions that matter here (llama.cpp's converter; checked against transformers' GGUF loading):
 - ggml shapes are innermost-first: `ReaderTensor.shape` is [in, out] for a Linear, and the dequantized
@@ -77,15 +79,27 @@ def converted_dir(key: str) -> Path:
     return cache_root() / "converted" / key
 
 
-def is_converted(path: Path) -> bool:
-    """True for a finished conversion made by this converter version."""
+def _marker(path: Path) -> dict | None:
+    """The conversion's record, or None where `path` is no finished conversion of this converter version."""
     marker = path / MARKER_FILE
     if not marker.is_file() or not (path / "config.json").is_file():
-        return False
+        return None
     try:
-        return json.loads(marker.read_text()).get("converter_version") == CONVERTER_VERSION
+        info = json.loads(marker.read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    return info if info.get("converter_version") == CONVERTER_VERSION else None
+
+
+def _write_marker(path: Path, info: dict) -> None:
+    tmp = path / f".{MARKER_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, path / MARKER_FILE)
+
+
+def is_converted(path: Path) -> bool:
+    """True for a finished conversion made by this converter version."""
+    return _marker(path) is not None
 
 
 def gguf_cache_key(gguf_path: Path) -> str:
@@ -443,12 +457,14 @@ def write_weights(reader, plan: list[PlannedTensor], out_dir: Path, max_shard_by
 # -------------------------------------------------------------------------------------------- tokenizer
 
 
-def write_tokenizer(gguf_path: Path, meta: _Meta, out_dir: Path) -> bool:
-    """Build the tokenizer from the GGUF with transformers (slow: seconds per 100k tokens) and save it."""
-    if meta.get("tokenizer.ggml.model") is None:
+def write_tokenizer(gguf_path: Path, meta: _Meta, out_dir: Path, say: Callable[[str], None]) -> bool:
+    """Build the tokenizer from the GGUF with transformers (slow: seconds per 100k tokens) and save it;
+    whether the file has one."""
+    if meta.get("tokenizer.ggml.model") in (None, "no_vocab"):  # llama.cpp's models without a vocabulary
         return False
     from transformers import AutoTokenizer
 
+    say("building the tokenizer from the GGUF (slow, once)")
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = meta.get("tokenizer.chat_template")
     if template:
@@ -465,10 +481,10 @@ def convert_gguf(
     out_dir: Path,
     *,
     tokenizer: bool = True,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Convert `gguf_path` into `out_dir` (a HF-format directory), atomically. Returns `out_dir`.
+    """Convert `gguf_path` into `out_dir` (a HF-format directory without weights: `ensure_fp32_weights`
+    writes them when a load needs them), atomically. Returns `out_dir`.
 
     Written into a temporary sibling directory and renamed into place at the end; a lock file keeps two
     processes from converting the same output at once (the second one then finds the finished directory).
@@ -504,11 +520,9 @@ def convert_gguf(
             if eos:
                 gen["eos_token_id"] = eos if len(eos) > 1 else eos[0]
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-            write_weights(reader, plan, tmp, max_shard_bytes, desc=f"converting {gguf_path.name}")
             has_tokenizer = False
-            if tokenizer and meta.get("tokenizer.ggml.model") is not None:
-                say("building the tokenizer from the GGUF (slow, once)")
-                has_tokenizer = write_tokenizer(gguf_path, meta, tmp)
+            if tokenizer:
+                has_tokenizer = write_tokenizer(gguf_path, meta, tmp, say)
             marker = {
                 "converter_version": CONVERTER_VERSION,
                 "source": str(gguf_path.resolve()),
@@ -517,8 +531,9 @@ def convert_gguf(
                 "tensors": len(plan),
                 "tokenizer": has_tokenizer,
                 "seconds": round(time.perf_counter() - start, 1),
+                "fp32_weights": False,
             }
-            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+            _write_marker(tmp, marker)
             if out_dir.exists():  # an incomplete or outdated conversion: replace it
                 shutil.rmtree(out_dir)
             os.rename(tmp, out_dir)
@@ -527,6 +542,47 @@ def convert_gguf(
                 shutil.rmtree(tmp, ignore_errors=True)
         say(f"converted {gguf_path.name} in {time.perf_counter() - start:.0f} s")
     return out_dir
+
+
+def ensure_fp32_weights(model_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write a GGUF conversion's fp32 safetensors if it has none yet (a load that reads fp32 weights, or
+    transformers', needs them); any other directory is left as it is."""
+    info = _marker(model_dir)
+    if info is None or info.get("fp32_weights", True):  # conversions before this field wrote them at once
+        return
+    from gguf import GGUFReader
+
+    with file_lock(model_dir.parent / f".{model_dir.name}.lock"):
+        info = _marker(model_dir)
+        if info.get("fp32_weights", True):  # another process wrote them meanwhile
+            return
+        for stale in model_dir.glob(".weights.tmp-*"):  # left by a killed run (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        source = gguf_source(model_dir)
+        if source is None:
+            raise SpecserveError(
+                f"{model_dir} needs its fp32 weights from {info['source']}, which is gone or has changed "
+                f"since it was converted: put the file back, or delete {model_dir} and load the GGUF again"
+            )
+        start = time.perf_counter()
+        print(
+            f"[specserve] writing the fp32 weights of {source.name} (once; later loads reuse them)",
+            flush=True,
+        )
+        reader = GGUFReader(str(source))
+        plan = plan_tensors(reader, info["architecture"])
+        tmp = model_dir / f".weights.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:  # written aside, moved in, recorded last: a killed run leaves files the next one replaces
+            write_weights(reader, plan, tmp, max_shard_bytes, desc=f"dequantizing {source.name}")
+            for stale in [*model_dir.glob("*.safetensors"), *model_dir.glob("model.safetensors.index.json")]:
+                stale.unlink()
+            for path in tmp.iterdir():
+                os.replace(path, model_dir / path.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _write_marker(model_dir, {**info, "fp32_weights": True})
+        print(f"[specserve] wrote them in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 # ------------------------------------------------------------------------------------- quantized loading

@@ -101,18 +101,22 @@ def locate_model(model: str, need_weights: bool = True) -> ModelFiles:
 def resolve_model(
     model: str, *, revision: str | None = None, cache_dir: Path | None = None, need_weights: bool = True
 ) -> Path:
-    """A local directory with config.json, *.safetensors (unless not `need_weights`) and (when known)
-    tokenizer files for `model`."""
-    files = locate_model(model, need_weights)
-    if files.directory is not None:
-        return files.directory
-    if files.hub_id is not None:
-        return _resolve_hub(files.hub_id, revision=revision, cache_dir=cache_dir)
-    if files.local_name is not None:
-        return local_models.resolve_local_model(files.local_name)
+    """A local directory with config.json, *.safetensors (unless not `need_weights`: a GGUF's conversion
+    then has none until a load needs them) and (when known) tokenizer files for `model`."""
     from specserve.models import gguf
 
-    return gguf.resolve_gguf(files.gguf_parts[0])
+    files = locate_model(model, need_weights)
+    if files.hub_id is not None:
+        return _resolve_hub(files.hub_id, revision=revision, cache_dir=cache_dir)
+    if files.directory is not None:
+        directory = files.directory
+    elif files.local_name is not None:
+        directory = local_models.resolve_local_model(files.local_name)
+    else:
+        directory = gguf.resolve_gguf(files.gguf_parts[0])
+    if need_weights:
+        gguf.ensure_fp32_weights(directory)
+    return directory
 
 
 def _locate_path(path: Path, need_weights: bool = True) -> ModelFiles:
@@ -143,7 +147,9 @@ def _locate_path(path: Path, need_weights: bool = True) -> ModelFiles:
 
 
 def _check_weights(path: Path) -> None:
-    if any(path.glob("*.safetensors")):
+    from specserve.models import gguf
+
+    if any(path.glob("*.safetensors")) or gguf.is_converted(path):  # a GGUF's: written on first need
         return
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
         raise SpecserveError(
@@ -279,7 +285,8 @@ def load_model(
     if quantization is not None:
         check_mode(quantization)
     dummy = load_format == "dummy"
-    model_dir = resolve_model(model, revision=revision, need_weights=not dummy)
+    # quantized, a GGUF's conversion is read from the GGUF itself: its fp32 weights are written only if not
+    model_dir = resolve_model(model, revision=revision, need_weights=not (dummy or quantization))
     config = load_hf_config(model_dir)
     world_size = shard.world_size if shard is not None else 1
     try:
@@ -293,10 +300,12 @@ def load_model(
         net.config = text_config_of(config)  # checkpoint layouts are read off the whole model's config
         net.weight_shard = WeightShard(shard, full_shapes, net)
     source = gguf.gguf_source(model_dir) if quantization and world_size == 1 and not dummy else None
+    if source is None and not dummy:
+        gguf.ensure_fp32_weights(model_dir)
     cache = None
     if quantization and world_size == 1 and not dummy:  # a rank's shard: from its fp32 part each time
         cache = PreparedWeights.for_source(
-            [*safetensors_files(model_dir), *([source] if source else [])], quantization, dtype
+            [source] if source else safetensors_files(model_dir), quantization, dtype
         )
     if dummy:
         init_dummy_weights(net)

@@ -43,7 +43,7 @@ class Vocabulary:
     def __init__(self, model: str):
         from specserve.models.loader import load_hf_config, load_tokenizer, resolve_model
 
-        model_dir = resolve_model(model)
+        model_dir = resolve_model(model, need_weights=False)
         self.tokenizer = load_tokenizer(model_dir)
         if self.tokenizer is not None:
             added = set(self.tokenizer.added_tokens_decoder)
