@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from specserve import LLM, SamplingParams
 from specserve.layers import kernels
@@ -220,3 +221,32 @@ def test_greedy_speculation_on_a_quantized_moe_target_is_exact(arch, mode, tiny_
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.spec_stats.num_drafts > 0
     assert all(e.stacks is not None for e in experts_of(llm.engine.model))
+
+
+@needs_kernel
+def test_stacking_experts_keeps_no_freed_memory(monkeypatch):
+    """Fusing and stacking free every expert's buffers piece by piece into larger ones; the heap's freed
+    pages go back to the OS a layer at a time, or a whole model's experts would be held twice (a 30B
+    MoE's load peaked at ~1.8x its size)."""
+    import gc
+
+    from specserve.layers.huge_pages import trim_heap
+    from specserve.layers.quant import fuse_projections, quantize_model
+
+    def resident() -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * 4096
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Experts(64, 512, 384) for _ in range(4))
+    with torch.no_grad():
+        for p in layers.parameters():
+            p.normal_(0, 0.1)
+    quantize_model(layers, "int4", fuse=False)
+    expert_bytes = sum(b.nbytes for b in layers.buffers())
+    gc.collect()
+    trim_heap()
+    before = resident()
+    fuse_projections(layers)
+    assert all(experts.stacks is not None for experts in layers)
+    assert resident() - before < 0.2 * expert_bytes, (resident() - before, expert_bytes)

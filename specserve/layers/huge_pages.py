@@ -64,6 +64,15 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc's `malloc_trim`; musl has none). Weights rearranged
+    piece by piece free memory the allocator keeps, and the next, larger pieces come from new pages: left
+    alone, a rearrangement of the whole model adds up to its size to the peak."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def _on_our_mapping(address: int) -> bool:
     return any(start <= address < start + len(m) for start, m in list(_mappings.items()))
 
@@ -112,7 +121,7 @@ def place_on_huge_pages(model: nn.Module) -> int:
         logger.info("weights stay on ordinary pages: %s", exc)
         return 0
     _mappings[ctypes.addressof(ctypes.c_char.from_buffer(mapping))] = mapping
-    trim, since_trim = getattr(_libc(), "malloc_trim", None), 0  # glibc's; musl has none
+    since_trim = 0
     with torch.no_grad():
         while movable:
             storage, tensors = movable.popleft()
@@ -125,7 +134,7 @@ def place_on_huge_pages(model: nn.Module) -> int:
             del storage, tensors, t, piece  # the last holders: the old copy is freed here
             offset += -(-nbytes // ALIGN) * ALIGN
             since_trim += nbytes
-            if trim is not None and (since_trim >= TRIM_EVERY or not movable):
-                trim(0)
+            if since_trim >= TRIM_EVERY or not movable:
+                trim_heap()
                 since_trim = 0
     return total
