@@ -597,6 +597,26 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path, capsys):
             assert err.startswith("error:") and str(bad) in err and "no-such-model" not in err, (argv, err)
 
 
+def test_eval_and_calibrate_refuse_a_bad_prompt_count_or_drafter_config_before_loading(tmp_path, capsys):
+    """--num-prompts 0 gave no prompts (calibrate failed after the load) and -2 dropped each file's last two;
+    a bad second --drafter failed only after the first drafter's whole eval."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n')
+    ngram, spec = 'x={"method": "ngram"}', '{"method": "dspark", "model": "d"}'
+    ev = ["eval", "--output", str(tmp_path / "ev"), "--datasets", str(prompts), "--drafter", ngram]
+    cal = ["calibrate", "--speculative-config", spec, "--prompts", str(prompts)]
+    for argv, says in (
+        ([*ev, "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        ([*ev, "--num-prompts", "-2"], "--num-prompts must be >= 1, got -2"),
+        ([*cal, "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        ([*ev, "--drafter", 'y={"method": "bogus"}'], "--drafter y: unknown speculative method 'bogus'"),
+        ([*ev, "--drafter", "y={"], "--drafter y: speculative config is not valid JSON"),
+    ):
+        err = _refused(capsys, [*argv, "--model", "no-such-model"])
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "ev").exists()
+
+
 def test_train_refuses_out_of_range_settings_and_a_file_as_cache_before_loading(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
     base = ["train", "--model", "no-such-model", "--output", str(tmp_path / "d")]

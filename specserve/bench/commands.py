@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from specserve.cli_args import DEFAULT_MODEL, add_engine_args, check_output, engine_kwargs, int_list, named
-from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, check
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, SpeculativeConfig, check
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -152,7 +152,13 @@ def _eval(args: argparse.Namespace) -> int:
     from specserve.bench.spec_decode import load_eval_prompts
     from specserve.llm import LLM
 
-    drafters = named(args.drafter)
+    check(args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}")
+    drafters = []
+    for name, text in named(args.drafter):  # every config parsed now, not after the drafters before it ran
+        try:
+            drafters.append((name, SpeculativeConfig.from_value(text)))
+        except SpecserveError as e:
+            raise SpecserveError(f"--drafter {name}: {e}") from None
     check_output(args.output, directory=True)
     datasets = {Path(f): load_eval_prompts(Path(f), args.num_prompts) for f in args.datasets.split(",")}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)

@@ -202,6 +202,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise SpecserveError(
             "calibrate needs --speculative-config with method 'dspark' (its confidence head)"
         )
+    check(args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.output_dir is not None:
         check_output(args.output_dir, directory=True)
     texts = [p for path in args.prompts.split(",") for p in read_prompts(path)[: args.num_prompts]]
