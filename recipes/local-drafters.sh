@@ -75,16 +75,16 @@ fi
 # Not for inference: the weights then sit in small pages and decode ran ~25% slower with it.
 train() {  # name method steps [more arguments]
   MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 "$SPECSERVE" train --model "$TARGET" --cache "$WORK/cache-train" --output "$WORK/$1" --method "$2" \
-    --layers "$LAYERS" --block-size "$BLOCK" --markov-rank "$MARKOV_RANK" --steps "$3" \
+    --layers "$LAYERS" --block-size "$BLOCK" --steps "$3" \
     --batch-size "$BATCH" --num-anchors "$ANCHORS" --lr "$LR" ${INTERMEDIATE:+--intermediate-size "$INTERMEDIATE"} \
     --checkpoint-every 50 "${@:4}"
 }
 if has_stage train; then
-  train "$DSPARK" dspark "$STEPS"
+  train "$DSPARK" dspark "$STEPS" --markov-rank "$MARKOV_RANK"  # DFlash has no Markov head
   train "$DFLASH" dflash "$STEPS"
   if [[ $SMALL_BUDGET == 1 ]]; then
     samples=$(python3 -c "import json; print(json.load(open('$WORK/cache-train/manifest.json'))['num_samples'])")
-    train "$DSPARK-quarter" dspark $((STEPS / 4)) --num-samples $((samples / 4))
+    train "$DSPARK-quarter" dspark $((STEPS / 4)) --markov-rank "$MARKOV_RANK" --num-samples $((samples / 4))
   fi
   # Every run under $WORK side by side: how tau grows with steps and data.
   runs=()

@@ -632,6 +632,78 @@ def test_train_refuses_out_of_range_settings_and_a_file_as_cache_before_loading(
         assert err.startswith("error:") and says in err and "no-such-model" not in err, (flags, err)
 
 
+def tiny_cache(tiny_model_dir, directory, seq_len: int = 40) -> tuple[str, str]:
+    """(the tiny qwen3 target, a target cache of 2 samples of `seq_len` tokens for it)."""
+    from specserve.train.target_cache import CacheInfo, write_target_cache
+
+    model = str(tiny_model_dir("qwen3"))
+    _, _, config, samples = tiny_training_setup(tiny_model_dir, num_samples=2, seq_len=seq_len)
+    write_target_cache(directory, samples, CacheInfo(config.target_layer_ids, config.hidden_size, model))
+    return model, str(directory)
+
+
+def test_train_refuses_bad_drafter_flags_before_loading(tiny_model_dir, tmp_path, capsys):
+    """The drafter's shape was checked only once the target had loaded; a flag its method does not take
+    (an EAGLE-3 drafter has one layer, DFlash no Markov head) was silently ignored."""
+    _, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    capsys.readouterr()  # the tiny target's save
+    base = [
+        "train",
+        "--model",
+        "no-such-model",
+        "--cache",
+        cache,
+        "--output",
+        str(tmp_path / "d"),
+        "--steps",
+        "1",
+    ]
+    for flags, says in (
+        (["--layers", "0"], "--layers must be >= 1, got 0"),
+        (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+        (["--markov-rank", "-1"], "--markov-rank must be >= 0, got -1"),
+        (["--intermediate-size", "0"], "--intermediate-size must be >= 1, got 0"),
+        (["--mask-token-id", "-1"], "--mask-token-id must be >= 0, got -1"),
+        (["--method", "eagle3", "--ttt-length", "0"], "--ttt-length must be >= 1, got 0"),
+        (["--method", "eagle3", "--layers", "2"], "--layers does not apply to eagle3 drafters"),
+        (["--method", "eagle3", "--init", "target"], "--init does not apply to eagle3 drafters"),
+        (["--method", "dflash", "--markov-rank", "8"], "--markov-rank does not apply to dflash drafters"),
+        (["--ttt-length", "3"], "--ttt-length does not apply to dspark drafters"),
+    ):
+        err = _refused(capsys, [*base, *flags])
+        assert err == f"error: {says}\n", (flags, err)
+    assert not (tmp_path / "d").exists()
+
+
+def test_resuming_refuses_drafter_flags_the_checkpoint_contradicts(tiny_model_dir, tmp_path, capsys):
+    """A resumed run took the checkpoint's drafter and silently ignored changed flags; flags not given
+    (the defaults: 7 slots, rank 256) resume it, and a refusal leaves the run's files as they were."""
+    import json
+
+    from specserve.cli import main
+
+    model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    out = tmp_path / "d"
+    base = ["train", "--model", model, "--cache", cache, "--output", str(out), "--num-anchors", "4"]
+    shape = ["--mask-token-id", str(VOCAB - 1), "--block-size", "3", "--markov-rank", "8"]
+    assert main([*base, *shape, "--steps", "1"]) == 0
+    files = {f.name: f.read_bytes() for f in out.iterdir()}
+    capsys.readouterr()
+    for flags, says in (
+        (["--layers", "2"], f"--layers 2 conflicts with the checkpoint in {out}, which has 1"),
+        (["--method", "eagle3"], f"--method eagle3 conflicts with the checkpoint in {out}, which has dspark"),
+        (["--block-size", "4"], f"--block-size 4 conflicts with the checkpoint in {out}, which has 3"),
+        (["--markov-rank", "16"], f"--markov-rank 16 conflicts with the checkpoint in {out}, which has 8"),
+        (["--ttt-length", "3"], "--ttt-length does not apply to dspark drafters"),
+    ):
+        err = _refused(capsys, [*base, "--steps", "2", *flags])
+        assert err.startswith(f"error: {says}") and err.count("\n") == 1, (flags, err)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == files
+    assert main([*base, "--steps", "2", "--init", "target"]) == 0  # --init: how a new drafter starts
+    assert [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "config.json").read_text())["block_size"] == 3
+
+
 def test_target_cache_refuses_bad_lengths_and_layers(tmp_path, capsys):
     from tests.tiny_models import save_tiny_chat_model
 

@@ -44,22 +44,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--model", default=DEFAULT_MODEL, help="the target")
     train.add_argument("--cache", required=True, help="directory from `specserve data target-cache`")
     train.add_argument("--output", required=True, help="drafter directory (resumes if it holds a state)")
-    train.add_argument("--method", choices=("dspark", "dflash", "eagle3"), default="dspark")
-    train.add_argument("--layers", type=int, default=1)
-    train.add_argument("--block-size", type=int, default=7)
-    train.add_argument("--markov-rank", type=int, default=256)
+    # The drafter flags default to None: given, each must fit the method and, resuming, the checkpoint.
+    train.add_argument(
+        "--method", choices=("dspark", "dflash", "eagle3"), default=None, help="default: dspark"
+    )
+    train.add_argument("--layers", type=int, default=None, help="DSpark / DFlash: draft layers (default: 1)")
+    train.add_argument("--block-size", type=int, default=None, help="DSpark / DFlash: slots (default: 7)")
+    train.add_argument("--markov-rank", type=int, default=None, help="DSpark's Markov head (default: 256)")
     train.add_argument(
         "--intermediate-size",
         type=int,
         default=None,
         help="DSpark / DFlash: the draft layers' MLP width (default: the target's)",
     )
-    train.add_argument("--mask-token-id", type=int, default=None)
+    train.add_argument(
+        "--mask-token-id", type=int, default=None, help="DSpark / DFlash (default: the tokenizer's)"
+    )
     train.add_argument("--steps", type=int, required=True)
     train.add_argument("--batch-size", type=int, default=4)
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--num-anchors", type=int, default=128, help="per sequence: blocks / EAGLE-3 chains")
-    train.add_argument("--ttt-length", type=int, default=7, help="EAGLE-3: training-time test steps")
+    train.add_argument(
+        "--ttt-length", type=int, default=None, help="EAGLE-3: training-time test steps (default: 7)"
+    )
     train.add_argument("--num-samples", type=int, default=None, help="train on the cache's first N samples")
     train.add_argument(
         "--full-vocabulary",
@@ -69,9 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--init",
         choices=("random", "target"),
-        default="random",
-        help="DSpark / DFlash draft layers: N(0, 0.02), or copies of the target layers after the deepest "
-        "captured one (the context projection then passes that layer's input through)",
+        default=None,
+        help="DSpark / DFlash draft layers: N(0, 0.02) (random, the default), or copies of the target layers "
+        "after the deepest captured one (the context projection then passes that layer's input through)",
     )
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--seed", type=int, default=42)
@@ -150,7 +157,7 @@ def _data_target_cache(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import json
 
-    from specserve.train.run import train_drafter
+    from specserve.train.run import DrafterArgs, train_drafter
     from specserve.train.trainer import TrainConfig
 
     check_output(args.output, directory=True)
@@ -161,24 +168,27 @@ def _train(args: argparse.Namespace) -> int:
         num_anchors=args.num_anchors,
         seed=args.seed,
     )
-    out = train_drafter(
-        args.model,
-        args.cache,
-        args.output,
-        args.method,
-        config,
+    drafter = DrafterArgs(
+        method=args.method,
         num_layers=args.layers,
         block_size=args.block_size,
         markov_rank=args.markov_rank,
+        intermediate_size=args.intermediate_size,
         mask_token_id=args.mask_token_id,
-        checkpoint_every=args.checkpoint_every,
         ttt_length=args.ttt_length,
+        init=args.init,
+    )
+    out, method = train_drafter(
+        args.model,
+        args.cache,
+        args.output,
+        drafter,
+        config,
+        checkpoint_every=args.checkpoint_every,
         num_samples=args.num_samples,
         full_vocabulary=args.full_vocabulary,
-        init=args.init,
-        intermediate_size=args.intermediate_size,
     )
-    spec = json.dumps({"method": args.method, "model": str(out)})
+    spec = json.dumps({"method": method, "model": str(out)})
     print(f"drafter in {out}; use it with --speculative-config '{spec}'")
     return 0
 

@@ -3,12 +3,14 @@ and resume. The drafter reads the target layers the cache was built with."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from torch.utils.data import Subset
 
-from specserve.config import SpecserveError
+from specserve.config import SpecserveError, check
 from specserve.models.loader import load_model
 from specserve.models.registry import text_config_of
 from specserve.spec_decode.deepspec.checkpoint import (
@@ -16,12 +18,102 @@ from specserve.spec_decode.deepspec.checkpoint import (
     init_draft_weights,
     init_from_target_layers,
 )
-from specserve.spec_decode.deepspec.config import default_mask_token, new_draft_config, new_eagle3_config
+from specserve.spec_decode.deepspec.config import (
+    Eagle3Config,
+    default_mask_token,
+    new_draft_config,
+    new_eagle3_config,
+    parse_drafter_config,
+)
 from specserve.train.curves import plot_curves, read_curve
 from specserve.train.target_cache import TargetCache
 from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics, truncate_metrics
 
 CURVE_WINDOW = 50  # steps the plotted curves average over (at most a tenth of the run)
+
+
+# The drafter flags each method takes (`method` aside); any other one given is refused, not ignored.
+_TAKES = {
+    "dspark": ("num_layers", "block_size", "markov_rank", "intermediate_size", "mask_token_id", "init"),
+    "dflash": ("num_layers", "block_size", "intermediate_size", "mask_token_id", "init"),
+    "eagle3": ("ttt_length",),
+}
+# Each shape flag's least value, so that a bad one fails before the load (the config checks it again).
+_LEAST = dict(num_layers=1, block_size=1, markov_rank=0, intermediate_size=1, mask_token_id=0, ttt_length=1)
+
+
+def _flag(name: str) -> str:
+    return "--layers" if name == "num_layers" else "--" + name.replace("_", "-")
+
+
+@dataclass
+class DrafterArgs:
+    """`train`'s drafter flags, checked from the flags alone (before any model loads). None: not given,
+    so a new drafter's default (`new_draft_config`'s, `new_eagle3_config`'s), or a resumed one's value."""
+
+    method: str | None = None
+    num_layers: int | None = None
+    block_size: int | None = None
+    markov_rank: int | None = None
+    intermediate_size: int | None = None
+    mask_token_id: int | None = None
+    ttt_length: int | None = None
+    init: str | None = None  # "random" or "target" (`init_from_target_layers`)
+
+    def __post_init__(self) -> None:
+        for name, least in _LEAST.items():
+            value = getattr(self, name)
+            check(value is None or value >= least, f"{_flag(name)} must be >= {least}, got {value}")
+
+    def given(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def of_checkpoint(cls, directory: Path) -> DrafterArgs:
+        """The flags that made the drafter in `directory` (its config.json; no target needed)."""
+        config = parse_drafter_config(json.loads((directory / "config.json").read_text()), str(directory))
+        if isinstance(config, Eagle3Config):
+            return cls("eagle3", ttt_length=config.ttt_length)
+        heads = config.confidence_head  # what `new_config` gives DSpark, not DFlash
+        return cls(
+            "dspark" if heads else "dflash",
+            config.num_layers,
+            config.block_size,
+            config.markov_rank if heads else None,
+            config.backbone.intermediate_size,
+            config.mask_token_id,
+        )
+
+    def method_for(self, resumed: DrafterArgs | None, directory: Path) -> str:
+        """The method trained: a new drafter's, or the checkpoint's (`resumed`). Refuses a flag the method
+        does not take, and one that would change the resumed drafter."""
+        method = resumed.method if resumed else self.method or "dspark"
+        for name, value in self.given().items():
+            check(
+                name == "method" or name in _TAKES[method],
+                f"{_flag(name)} does not apply to {method} drafters",
+            )
+            saved = getattr(resumed, name, None)  # None for --init too: how a new drafter starts
+            check(
+                saved is None or value == saved,
+                f"{_flag(name)} {value} conflicts with the checkpoint in {directory}, which has {saved}: "
+                "drop the flag to resume it, or train into another --output",
+            )
+        return method
+
+    def new_config(self, method: str, target_config, layer_ids: list[int], tokenizer, num_anchors: int):
+        """A new `method` drafter's config for the target (`method_for` has checked the flags)."""
+        shape = {k: v for k, v in self.given().items() if k not in ("method", "init")}
+        if method == "eagle3":
+            return new_eagle3_config(target_config, target_layer_ids=layer_ids, **shape)
+        heads = method == "dspark"
+        if not heads:
+            shape["markov_rank"] = 0  # DFlash: neither head
+        if "mask_token_id" not in shape:
+            shape["mask_token_id"] = default_mask_token(tokenizer, target_config.vocab_size)
+        return new_draft_config(
+            target_config, target_layer_ids=layer_ids, confidence_head=heads, num_anchors=num_anchors, **shape
+        )
 
 
 def training_samples(cache: TargetCache, num_samples: int | None) -> Sequence[Sample]:
@@ -39,57 +131,35 @@ def train_drafter(
     target_model: str,
     cache_dir: str,
     output: str,
-    method: str,
+    drafter: DrafterArgs,
     train_config: TrainConfig,
-    num_layers: int = 1,
-    block_size: int = 7,
-    markov_rank: int = 256,
-    mask_token_id: int | None = None,
     checkpoint_every: int = 500,
-    ttt_length: int = 7,
     num_samples: int | None = None,
     full_vocabulary: bool = False,
-    init: str = "random",
-    intermediate_size: int | None = None,
-) -> Path:
-    """`method` is dspark, dflash or eagle3 (`num_layers`, `block_size`, `markov_rank`, `mask_token_id` and
-    `intermediate_size` are DSpark's / DFlash's; `ttt_length` is EAGLE-3's). `num_samples` trains on the
-    cache's first samples only; the losses score the tokens the data supervises unless `full_vocabulary`.
-    `init` "target" starts a DSpark / DFlash drafter from the target's layers (`init_from_target_layers`)."""
+) -> tuple[Path, str]:
+    """(the drafter's directory, its method: dspark, dflash or eagle3). A `drafter` flag left None takes
+    the new drafter's default, or the resumed one's value. `num_samples` trains on the cache's first samples
+    only; the losses score the tokens the data supervises unless `full_vocabulary`."""
     from tqdm import tqdm
 
     if checkpoint_every < 1:
         raise SpecserveError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     cache = TargetCache(cache_dir)  # a wrong --cache fails before the target loads
     samples = training_samples(cache, num_samples)
+    output = Path(output)
+    resuming = (output / STATE_FILE).is_file()
+    method = drafter.method_for(DrafterArgs.of_checkpoint(output) if resuming else None, output)
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
-    output = Path(output)
-    if (output / STATE_FILE).is_file():
+    if resuming:
         trainer = Trainer.resume(output, target, config_t, samples)
         print(f"resuming {output} at step {trainer.step_index}")
     else:
         layer_ids = cache.manifest["target_layer_ids"]
-        if method == "eagle3":
-            config = new_eagle3_config(config_t, target_layer_ids=layer_ids, ttt_length=ttt_length)
-        else:
-            heads = method == "dspark"
-            config = new_draft_config(
-                config_t,
-                num_layers=num_layers,
-                block_size=block_size,
-                target_layer_ids=layer_ids,
-                mask_token_id=mask_token_id
-                if mask_token_id is not None
-                else default_mask_token(tokenizer, config_t.vocab_size),
-                markov_rank=markov_rank if heads else 0,
-                confidence_head=heads,
-                intermediate_size=intermediate_size,
-                num_anchors=train_config.num_anchors,
-            )
+        config = drafter.new_config(method, config_t, layer_ids, tokenizer, train_config.num_anchors)
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)
-        if init == "target":
+        if drafter.init == "target":
             init_from_target_layers(model, target)
         vocab = None if full_vocabulary else cache.supervised_tokens(num_samples)
         if vocab is not None:
@@ -111,4 +181,4 @@ def train_drafter(
                 trainer.save(output)
                 window = max(1, min(CURVE_WINDOW, train_config.total_steps // 10))
                 plot_curves([read_curve(output.name, log, window)], output / "metrics.png", window)
-    return output
+    return output, method
