@@ -647,17 +647,8 @@ def test_train_refuses_bad_drafter_flags_before_loading(tiny_model_dir, tmp_path
     (an EAGLE-3 drafter has one layer, DFlash no Markov head) was silently ignored."""
     _, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
     capsys.readouterr()  # the tiny target's save
-    base = [
-        "train",
-        "--model",
-        "no-such-model",
-        "--cache",
-        cache,
-        "--output",
-        str(tmp_path / "d"),
-        "--steps",
-        "1",
-    ]
+    base = ["train", "--model", "no-such-model", "--cache", cache, "--output", str(tmp_path / "d")]
+    base += ["--steps", "1", "--num-anchors", "8"]  # of the 39 the samples hold
     for flags, says in (
         (["--layers", "0"], "--layers must be >= 1, got 0"),
         (["--block-size", "0"], "--block-size must be >= 1, got 0"),
@@ -673,6 +664,28 @@ def test_train_refuses_bad_drafter_flags_before_loading(tiny_model_dir, tmp_path
         err = _refused(capsys, [*base, *flags])
         assert err == f"error: {says}\n", (flags, err)
     assert not (tmp_path / "d").exists()
+
+
+def test_train_refuses_more_anchors_than_a_sample_holds_or_an_empty_cache_before_loading(
+    tiny_model_dir, tmp_path, capsys
+):
+    """Anchors are positions whose next token is in the sample too: a huge --num-anchors failed in an
+    allocation once the target had loaded, and an empty cache crashed there too."""
+    from specserve.train.target_cache import CacheInfo, write_target_cache
+
+    _, cache = tiny_cache(tiny_model_dir, tmp_path / "cache", seq_len=40)
+    empty = write_target_cache(tmp_path / "empty", [], CacheInfo([0], 64, "x"))
+    capsys.readouterr()
+    base = ["train", "--model", "no-such-model", "--output", str(tmp_path / "d"), "--steps", "1"]
+    bound = "--num-anchors must be in 1..39: the cache's longest sample has 40 tokens"
+    for flags, says in (
+        (["--cache", cache, "--num-anchors", "40"], bound),
+        (["--cache", cache, "--num-anchors", str(10**12)], bound),
+        (["--cache", str(empty)], f"{empty} holds no samples"),
+        (["--cache", cache, "--num-anchors", "39"], "no-such-model"),  # the most: on to the load
+    ):
+        err = _refused(capsys, [*base, *flags])
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, (flags, err)
 
 
 def test_resuming_refuses_drafter_flags_the_checkpoint_contradicts(tiny_model_dir, tmp_path, capsys):

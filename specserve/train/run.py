@@ -118,6 +118,7 @@ class DrafterArgs:
 
 def training_samples(cache: TargetCache, num_samples: int | None) -> Sequence[Sample]:
     """The whole cache, or its first `num_samples` (a smaller data budget without a second cache)."""
+    check(len(cache) > 0, f"{cache.directory} holds no samples")
     if num_samples is None:
         return cache
     if not 1 <= num_samples <= len(cache):
@@ -146,6 +147,14 @@ def train_drafter(
         raise SpecserveError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     cache = TargetCache(cache_dir)  # a wrong --cache fails before the target loads
     samples = training_samples(cache, num_samples)
+    # An anchor (EAGLE-3: a chain's row) is a position whose next token is in the sample too: past S - 1 of
+    # them, the rest are dummies that cost compute (and a huge count, the allocation).
+    longest = cache.longest(num_samples)
+    check(
+        train_config.num_anchors < longest,
+        f"--num-anchors must be in 1..{longest - 1}: the cache's longest sample has {longest} tokens, so at "
+        f"most {longest - 1} anchors; got {train_config.num_anchors}",
+    )
     output = Path(output)
     resuming = (output / STATE_FILE).is_file()
     method = drafter.method_for(DrafterArgs.of_checkpoint(output) if resuming else None, output)

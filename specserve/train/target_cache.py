@@ -199,6 +199,10 @@ class TargetCache:
     def __len__(self) -> int:
         return len(self.records)
 
+    def longest(self, num_samples: int | None = None) -> int:
+        """The most tokens in one of the first `num_samples` samples (all: None), read from the index."""
+        return max(length for _, _, length, *_ in self.records[:num_samples])
+
     def _tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32 [S], loss_mask uint8 [S]) of sample i, views into its shard."""
         _, shard_id, n, ids, _, loss, _, _ = self.records[i]
