@@ -688,9 +688,10 @@ def test_train_refuses_more_anchors_than_a_sample_holds_or_an_empty_cache_before
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, (flags, err)
 
 
-def test_resuming_refuses_drafter_flags_the_checkpoint_contradicts(tiny_model_dir, tmp_path, capsys):
-    """A resumed run took the checkpoint's drafter and silently ignored changed flags; flags not given
-    (the defaults: 7 slots, rank 256) resume it, and a refusal leaves the run's files as they were."""
+def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, capsys):
+    """A resumed run took the checkpoint's drafter and training settings and silently ignored changed flags
+    (more --steps trained at learning rate 0: the saved schedule had ended). Flags not given (the defaults:
+    7 slots, rank 256, lr 6e-4) resume it, and a refusal leaves the run's files as they were."""
     import json
 
     from specserve.cli import main
@@ -698,19 +699,25 @@ def test_resuming_refuses_drafter_flags_the_checkpoint_contradicts(tiny_model_di
     model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
     out = tmp_path / "d"
     base = ["train", "--model", model, "--cache", cache, "--output", str(out), "--num-anchors", "4"]
-    shape = ["--mask-token-id", str(VOCAB - 1), "--block-size", "3", "--markov-rank", "8"]
-    assert main([*base, *shape, "--steps", "1"]) == 0
+    shape = ["--mask-token-id", str(VOCAB - 1), "--block-size", "3", "--markov-rank", "8", "--lr", "1e-3"]
+    assert main([*base, *shape, "--steps", "2"]) == 0
     files = {f.name: f.read_bytes() for f in out.iterdir()}
     capsys.readouterr()
     for flags, says in (
-        (["--layers", "2"], f"--layers 2 conflicts with the checkpoint in {out}, which has 1"),
-        (["--method", "eagle3"], f"--method eagle3 conflicts with the checkpoint in {out}, which has dspark"),
-        (["--block-size", "4"], f"--block-size 4 conflicts with the checkpoint in {out}, which has 3"),
-        (["--markov-rank", "16"], f"--markov-rank 16 conflicts with the checkpoint in {out}, which has 8"),
+        (
+            ["--layers", "2"],
+            "--layers 2 conflicts with the run in {}, which has 1: resume it with --layers 1",
+        ),
+        (["--method", "eagle3"], "--method eagle3 conflicts with the run in {}, which has dspark"),
+        (["--block-size", "4"], "--block-size 4 conflicts with the run in {}, which has 3"),
+        (["--markov-rank", "16"], "--markov-rank 16 conflicts with the run in {}, which has 8"),
         (["--ttt-length", "3"], "--ttt-length does not apply to dspark drafters"),
+        (["--steps", "3"], "--steps 3 conflicts with the run in {}, which has 2: resume it with --steps 2"),
+        (["--lr", "0.01"], "--lr 0.01 conflicts with the run in {}, which has 0.001"),
+        (["--num-anchors", "8"], "--num-anchors 8 conflicts with the run in {}, which has 4"),
     ):
         err = _refused(capsys, [*base, "--steps", "2", *flags])
-        assert err.startswith(f"error: {says}") and err.count("\n") == 1, (flags, err)
+        assert err.startswith(f"error: {says.format(out)}") and err.count("\n") == 1, (flags, err)
     assert {f.name: f.read_bytes() for f in out.iterdir()} == files
     assert main([*base, "--steps", "2", "--init", "target"]) == 0  # --init: how a new drafter starts
     assert [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -17,6 +17,9 @@ from specserve.cli_args import (
 )
 from specserve.config import SamplingParams, SpecserveError, check
 
+# `train`'s training flags left out: a new run's values (a resumed run keeps its own).
+TRAIN_DEFAULTS = dict(batch_size=4, lr=6e-4, num_anchors=128, seed=42)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="drafter training data: regenerate answers, build the target cache")
@@ -61,9 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mask-token-id", type=int, default=None, help="DSpark / DFlash (default: the tokenizer's)"
     )
     train.add_argument("--steps", type=int, required=True)
-    train.add_argument("--batch-size", type=int, default=4)
-    train.add_argument("--lr", type=float, default=6e-4)
-    train.add_argument("--num-anchors", type=int, default=128, help="per sequence: blocks / EAGLE-3 chains")
+    # None too: not given, so TRAIN_DEFAULTS or a resumed run's value.
+    train.add_argument("--batch-size", type=int, default=None, help="default: 4")
+    train.add_argument("--lr", type=float, default=None, help="default: 6e-4")
+    train.add_argument(
+        "--num-anchors", type=int, default=None, help="per sequence: blocks / EAGLE-3 chains (default: 128)"
+    )
     train.add_argument(
         "--ttt-length", type=int, default=None, help="EAGLE-3: training-time test steps (default: 7)"
     )
@@ -81,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "after the deepest captured one (the context projection then passes that layer's input through)",
     )
     train.add_argument("--checkpoint-every", type=int, default=200)
-    train.add_argument("--seed", type=int, default=42)
+    train.add_argument("--seed", type=int, default=None, help="default: 42")
     train.set_defaults(func=_train)
 
     curves = sub.add_parser("train-curves", help="training runs' CE and tau against step, as one PNG")
@@ -161,13 +167,15 @@ def _train(args: argparse.Namespace) -> int:
     from specserve.train.trainer import TrainConfig
 
     check_output(args.output, directory=True)
-    config = TrainConfig(
+    flags = dict(
         total_steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
         num_anchors=args.num_anchors,
         seed=args.seed,
     )
+    given = {name: value for name, value in flags.items() if value is not None}
+    config = TrainConfig(**{**TRAIN_DEFAULTS, **given})
     drafter = DrafterArgs(
         method=args.method,
         num_layers=args.layers,
@@ -187,6 +195,7 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         num_samples=args.num_samples,
         full_vocabulary=args.full_vocabulary,
+        given=tuple(given),
     )
     spec = json.dumps({"method": method, "model": str(out)})
     print(f"drafter in {out}; use it with --speculative-config '{spec}'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from torch.utils.data import Subset
@@ -43,7 +43,20 @@ _LEAST = dict(num_layers=1, block_size=1, markov_rank=0, intermediate_size=1, ma
 
 
 def _flag(name: str) -> str:
-    return "--layers" if name == "num_layers" else "--" + name.replace("_", "-")
+    """`train`'s flag of a DrafterArgs or TrainConfig field."""
+    return {"num_layers": "--layers", "total_steps": "--steps"}.get(name, "--" + name.replace("_", "-"))
+
+
+def check_unchanged(given: dict, saved: dict, directory: Path) -> None:
+    """Refuses a flag given (`given`: field -> value) that would change the run `directory` resumes
+    (`saved`: its values; a field it has no value for, None, is not compared)."""
+    for name, value in given.items():
+        was = saved.get(name)
+        check(
+            was is None or value == was,
+            f"{_flag(name)} {value} conflicts with the run in {directory}, which has {was}: resume it with "
+            f"{_flag(name)} {was}, or train into another --output",
+        )
 
 
 @dataclass
@@ -87,17 +100,13 @@ class DrafterArgs:
     def method_for(self, resumed: DrafterArgs | None, directory: Path) -> str:
         """The method trained: a new drafter's, or the checkpoint's (`resumed`). Refuses a flag the method
         does not take, and one that would change the resumed drafter."""
+        if resumed:  # (its --init is None: how a new drafter starts)
+            check_unchanged(self.given(), vars(resumed), directory)
         method = resumed.method if resumed else self.method or "dspark"
-        for name, value in self.given().items():
+        for name in self.given():
             check(
                 name == "method" or name in _TAKES[method],
                 f"{_flag(name)} does not apply to {method} drafters",
-            )
-            saved = getattr(resumed, name, None)  # None for --init too: how a new drafter starts
-            check(
-                saved is None or value == saved,
-                f"{_flag(name)} {value} conflicts with the checkpoint in {directory}, which has {saved}: "
-                "drop the flag to resume it, or train into another --output",
             )
         return method
 
@@ -137,16 +146,25 @@ def train_drafter(
     checkpoint_every: int = 500,
     num_samples: int | None = None,
     full_vocabulary: bool = False,
+    given: tuple[str, ...] = (),
 ) -> tuple[Path, str]:
     """(the drafter's directory, its method: dspark, dflash or eagle3). A `drafter` flag left None takes
-    the new drafter's default, or the resumed one's value. `num_samples` trains on the cache's first samples
-    only; the losses score the tokens the data supervises unless `full_vocabulary`."""
+    the new drafter's default, or the resumed one's value; so does a `train_config` field not in `given`
+    (resuming, those in it must be the run's). `num_samples` trains on the cache's first samples only; the
+    losses score the tokens the data supervises unless `full_vocabulary`."""
     from tqdm import tqdm
 
     if checkpoint_every < 1:
         raise SpecserveError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     cache = TargetCache(cache_dir)  # a wrong --cache fails before the target loads
     samples = training_samples(cache, num_samples)
+    output = Path(output)
+    resuming = (output / STATE_FILE).is_file()
+    if resuming:
+        saved = Trainer.saved_config(output)
+        check_unchanged({name: getattr(train_config, name) for name in given}, asdict(saved), output)
+        train_config = saved
+    method = drafter.method_for(DrafterArgs.of_checkpoint(output) if resuming else None, output)
     # An anchor (EAGLE-3: a chain's row) is a position whose next token is in the sample too: past S - 1 of
     # them, the rest are dummies that cost compute (and a huge count, the allocation).
     longest = cache.longest(num_samples)
@@ -155,9 +173,6 @@ def train_drafter(
         f"--num-anchors must be in 1..{longest - 1}: the cache's longest sample has {longest} tokens, so at "
         f"most {longest - 1} anchors; got {train_config.num_anchors}",
     )
-    output = Path(output)
-    resuming = (output / STATE_FILE).is_file()
-    method = drafter.method_for(DrafterArgs.of_checkpoint(output) if resuming else None, output)
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
     if resuming:

@@ -218,6 +218,11 @@ class Trainer:
         )
         return directory
 
+    @staticmethod
+    def saved_config(directory: str | Path) -> TrainConfig:
+        """The TrainConfig of the run saved in `directory` (its tensors memory-mapped, not read)."""
+        return TrainConfig(**torch.load(Path(directory) / STATE_FILE, weights_only=True, mmap=True)["config"])
+
     @classmethod
     def resume(cls, directory: str | Path, target, target_config, samples: Sequence[Sample]) -> Trainer:
         directory = Path(directory)
