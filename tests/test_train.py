@@ -599,7 +599,8 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path, capsys):
 
 def test_eval_and_calibrate_refuse_a_bad_prompt_count_or_drafter_config_before_loading(tmp_path, capsys):
     """--num-prompts 0 gave no prompts (calibrate failed after the load) and -2 dropped each file's last two;
-    a bad second --drafter failed only after the first drafter's whole eval."""
+    a bad second --drafter failed only after the first drafter's whole eval; calibrate refused a verify
+    policy other than 'fixed' only once loaded."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["hi"]}\n')
     ngram, spec = 'x={"method": "ngram"}', '{"method": "dspark", "model": "d"}'
@@ -611,6 +612,7 @@ def test_eval_and_calibrate_refuse_a_bad_prompt_count_or_drafter_config_before_l
         ([*cal, "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
         ([*ev, "--drafter", 'y={"method": "bogus"}'], "--drafter y: unknown speculative method 'bogus'"),
         ([*ev, "--drafter", "y={"], "--drafter y: speculative config is not valid JSON"),
+        ([*cal, "--speculative-config", spec[:-1] + ', "verify_policy": "dspark"}'], "got 'dspark'"),
     ):
         err = _refused(capsys, [*argv, "--model", "no-such-model"])
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, (argv, err)
@@ -626,6 +628,7 @@ def test_train_refuses_out_of_range_settings_and_a_file_as_cache_before_loading(
         (["--cache", str(tmp_path), "--steps", "0"], "steps"),
         (["--cache", str(tmp_path), "--steps", "2", "--batch-size", "0"], "batch_size"),
         (["--cache", str(tmp_path), "--steps", "2", "--lr", "-1"], "lr"),
+        (["--cache", str(tmp_path), "--steps", "2", "--lr", "inf"], "lr must be finite"),
         (["--cache", str(tmp_path), "--steps", "2", "--checkpoint-every", "0"], "checkpoint_every"),
     ):
         err = _refused(capsys, [*base, *flags])

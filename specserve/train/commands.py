@@ -217,10 +217,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     from specserve.train.calibrate import calibrate, format_report
     from specserve.train.data import read_prompts
 
-    if args.speculative_config is None or args.speculative_config.method != "dspark":
+    spec = args.speculative_config
+    if spec is None or spec.method != "dspark":
         raise SpecserveError(
             "calibrate needs --speculative-config with method 'dspark' (its confidence head)"
         )
+    check(
+        spec.verify_policy == "fixed",
+        f"calibrate with verify_policy 'fixed': every draft must be verified, got {spec.verify_policy!r}",
+    )
     check(args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.output_dir is not None:
         check_output(args.output_dir, directory=True)

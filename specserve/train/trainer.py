@@ -48,7 +48,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check(self.total_steps >= 1, f"steps must be >= 1, got {self.total_steps}")
         check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
-        check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        check(math.isfinite(self.lr) and self.lr > 0, f"lr must be finite and > 0, got {self.lr}")
         check(self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}")
 
 
