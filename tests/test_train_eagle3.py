@@ -182,7 +182,6 @@ def test_cli_trains_an_eagle3_drafter(tiny_model_dir, tmp_path):
         str(tmp_path / "d"),
     ]
     argv += ["--method", "eagle3", "--ttt-length", "3", "--steps", "2", "--batch-size", "1"]
-    argv += ["--num-anchors", "8"]  # a 16-token sample holds at most 15 chains
     assert main(argv) == 0
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3Eagle3Model"] and config["ttt_length"] == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from torch.utils.data import Subset
@@ -166,13 +166,17 @@ def train_drafter(
         train_config = saved
     method = drafter.method_for(DrafterArgs.of_checkpoint(output) if resuming else None, output)
     # An anchor (EAGLE-3: a chain's row) is a position whose next token is in the sample too: past S - 1 of
-    # them, the rest are dummies that cost compute (and a huge count, the allocation).
+    # them, the rest are dummies that cost compute (and a huge count, the allocation). The default is cut
+    # to that (the same anchors are drawn); a count given past it is refused.
     longest = cache.longest(num_samples)
-    check(
-        train_config.num_anchors < longest,
-        f"--num-anchors must be in 1..{longest - 1}: the cache's longest sample has {longest} tokens, so at "
-        f"most {longest - 1} anchors; got {train_config.num_anchors}",
-    )
+    if "num_anchors" in given:
+        check(
+            train_config.num_anchors < longest,
+            f"--num-anchors must be in 1..{longest - 1}: the cache's longest sample has {longest} tokens, so "
+            f"at most {longest - 1} anchors; got {train_config.num_anchors}",
+        )
+    elif not resuming:
+        train_config = replace(train_config, num_anchors=max(1, min(train_config.num_anchors, longest - 1)))
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
     if resuming:
