@@ -225,8 +225,11 @@ def int8_from_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[Int4Plane, In
 def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K] in 0..15 -> uint8 [N / 16, K / 8, 64]."""
     n, k = q.shape
-    lines = q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 2, 64)
-    return (lines[:, :, 0] | (lines[:, :, 1] << 4)).contiguous()
+    # A channel's 4 inputs of a line move together, as one int32, not byte by byte; codes below 16 shift
+    # into their byte's high nibble without a carry into the next byte.
+    words = q.contiguous().view(torch.int32).reshape(n // 16, 16, k // 4).permute(0, 2, 1)
+    lines = words.reshape(n // 16, k // 8, 2, 16)
+    return (lines[:, :, 0] | (lines[:, :, 1] << 4)).contiguous().view(torch.uint8)
 
 
 def unpack_int4_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -238,7 +241,8 @@ def unpack_int4_codes(packed: torch.Tensor) -> torch.Tensor:
 def pack_int8_codes(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> int8 [N / 16, K / 4, 64]."""
     n, k = q.shape
-    return q.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+    words = q.contiguous().view(torch.int32).reshape(n // 16, 16, k // 4).permute(0, 2, 1)  # as int4's
+    return words.contiguous().view(torch.int8).reshape(n // 16, k // 4, 64)
 
 
 def unpack_int8_codes(packed: torch.Tensor) -> torch.Tensor:
