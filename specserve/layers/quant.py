@@ -264,7 +264,10 @@ def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
 def _pack_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[N, X] twice -> [N / 16, X, 32]: per tile and X, a's 16 channels, then b's."""
     n, x = a.shape
-    return torch.stack([a, b]).reshape(2, n // 16, 16, x).permute(1, 3, 0, 2).reshape(n // 16, x, 32)
+    out = torch.empty(n // 16, x, 2, 16, dtype=a.dtype, device=a.device)
+    out[:, :, 0] = a.reshape(n // 16, 16, x).transpose(1, 2)  # written in place: no stacked copy to permute
+    out[:, :, 1] = b.reshape(n // 16, 16, x).transpose(1, 2)
+    return out.view(n // 16, x, 32)
 
 
 def _unpack_pairs(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,8 +278,8 @@ def _unpack_pairs(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack_int4_scales(w: Int4Weights) -> tuple[torch.Tensor, torch.Tensor]:
     """(groups uint8 [N / 16, K / G, 32], supers fp16 [N / 16, S, 32])."""
-    groups = _pack_pairs(w.sub_scales, w.sub_mins.view(torch.uint8)).contiguous()
-    return groups, _pack_pairs(w.d.half(), w.dmin.half()).contiguous()
+    groups = _pack_pairs(w.sub_scales, w.sub_mins.view(torch.uint8))
+    return groups, _pack_pairs(w.d.half(), w.dmin.half())
 
 
 def unpack_int4_scales(q: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> Int4Weights:
