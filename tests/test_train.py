@@ -238,7 +238,7 @@ def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
         assert torch.equal(stored.loss_mask, original.loss_mask)
         torch.testing.assert_close(stored.features, original.features.to(torch.bfloat16).float())
         torch.testing.assert_close(stored.last_hidden, original.last_hidden.to(torch.bfloat16).float())
-    cache.check(config, "tiny-qwen3")
+    cache.check(config)
     other = new_draft_config(
         load_model(str(tiny_model_dir("qwen3")))[1],
         block_size=4,
@@ -247,8 +247,9 @@ def test_target_cache_round_trip_and_manifest_check(tiny_model_dir, tmp_path):
     )
     with pytest.raises(SpecserveError, match="target_layer_ids"):
         cache.check(other)
-    with pytest.raises(SpecserveError, match="target 'tiny-qwen3' != 'another'"):
-        cache.check(config, "another")
+    cache.check_target("tiny-qwen3", load_model(str(tiny_model_dir("qwen3")))[1])
+    with pytest.raises(SpecserveError, match="built for 'tiny-qwen3', not 'another'"):
+        cache.check_target("another")
     assert torch.equal(cache.supervised_tokens(), supervised(samples))
     assert torch.equal(cache.supervised_tokens(2), supervised(samples[:2]))
     # a smaller data budget: the cache's first samples
@@ -689,6 +690,43 @@ def test_train_refuses_more_anchors_than_a_sample_holds_or_an_empty_cache_before
     ):
         err = _refused(capsys, [*base, *flags])
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, (flags, err)
+
+
+def test_train_refuses_a_cache_of_another_target_before_loading(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """The cache's target (its name, and its hidden size and layers against the target's config.json) was
+    compared only once the target had loaded."""
+    from specserve.train.target_cache import CacheInfo, write_target_cache
+
+    model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    other = str(tiny_model_dir("qwen2"))
+    n = 10  # a sample of a target of hidden size 32 and 6+ layers, named as the 3 layers of 64 of `model`
+    sample = Sample(
+        torch.zeros(n, dtype=torch.long),
+        torch.ones(n, dtype=torch.long),
+        torch.zeros(n, 64),
+        torch.zeros(n, 32),
+    )
+    odd = write_target_cache(tmp_path / "odd", [sample], CacheInfo([0, 5], 32, model))
+    capsys.readouterr()
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr("specserve.train.run.load_model", load_model)
+    base = ["train", "--output", str(tmp_path / "d"), "--steps", "1"]
+    for flags, says in (
+        (["--model", other, "--cache", cache], f"it was built for {model!r}, not {other!r}"),
+        (
+            ["--model", model, "--cache", str(odd)],
+            "hidden_size 32 != the target's 64; target_layer_ids [0, 5] past the target's 3 layers",
+        ),
+    ):
+        err = _refused(capsys, [*base, *flags])
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, (flags, err)
+        assert "specserve data target-cache --model" in err
+    assert not (tmp_path / "d").exists()
 
 
 def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 from torch.utils.data import Subset
 
 from specserve.config import SpecserveError, check
-from specserve.models.loader import load_model
+from specserve.models.loader import load_model, locate_model
 from specserve.models.registry import text_config_of
 from specserve.spec_decode.deepspec.checkpoint import (
     build_draft_model,
@@ -137,6 +137,15 @@ def training_samples(cache: TargetCache, num_samples: int | None) -> Sequence[Sa
     return Subset(cache, range(num_samples))
 
 
+def target_text_config(target_model: str):
+    """The target's text config from its config.json or GGUF header, no weight read (None: a hub model not
+    downloaded yet); an unknown reference fails here."""
+    from specserve.preflight import model_config
+
+    config = model_config(locate_model(target_model))
+    return None if config is None else text_config_of(config)
+
+
 def train_drafter(
     target_model: str,
     cache_dir: str,
@@ -177,6 +186,7 @@ def train_drafter(
         )
     elif not resuming:
         train_config = replace(train_config, num_anchors=max(1, min(train_config.num_anchors, longest - 1)))
+    cache.check_target(target_model, target_text_config(target_model))
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
     if resuming:
@@ -195,7 +205,7 @@ def train_drafter(
                 f"training vocabulary: the {len(vocab)} tokens the data supervises (of {config_t.vocab_size})"
             )
         trainer = Trainer(model, samples, train_config, vocab)
-    cache.check(trainer.model.config, target_model)
+    cache.check(trainer.model.config)  # a resumed drafter may read other target layers than the cache holds
     log = output / "metrics.jsonl"
     output.mkdir(parents=True, exist_ok=True)
     truncate_metrics(log, trainer.step_index)

@@ -234,16 +234,35 @@ class TargetCache:
         seen = [ids[loss.astype(bool)] for ids, loss in map(self._tokens, range(len(self))[:num_samples])]
         return torch.from_numpy(np.unique(np.concatenate(seen)).astype(np.int64))
 
-    def check(self, drafter_config, target_model: str | None = None) -> None:
-        """Refuse a cache made for other target layers, another hidden size or another target."""
+    def check_target(self, target_model: str, text_config=None) -> None:
+        """Refuse, before the target loads, a cache built for another target: by the name it was built with,
+        and by the hidden size and layer count of the target's config (None: not known without a download)."""
+        m, problems = self.manifest, []
+        built_for = m.get("target_model_name_or_path")
+        if built_for != target_model:
+            problems.append(f"it was built for {built_for!r}, not {target_model!r}")
+        if text_config is not None:
+            if m["hidden_size"] != text_config.hidden_size:
+                problems.append(f"hidden_size {m['hidden_size']} != the target's {text_config.hidden_size}")
+            if max(m["target_layer_ids"], default=0) >= text_config.num_hidden_layers:
+                problems.append(
+                    f"target_layer_ids {m['target_layer_ids']} past the target's "
+                    f"{text_config.num_hidden_layers} layers"
+                )
+        check(
+            not problems,
+            f"{self.directory} is not a target cache of {target_model} ({'; '.join(problems)}): build one "
+            f"with `specserve data target-cache --model {target_model}`, or train with the cache's target",
+        )
+
+    def check(self, drafter_config) -> None:
+        """Refuse a cache made for other target layers or another hidden size than the drafter reads."""
         m = self.manifest
         problems = []
         if list(m["target_layer_ids"]) != list(drafter_config.target_layer_ids):
             problems.append(f"target_layer_ids {m['target_layer_ids']} != {drafter_config.target_layer_ids}")
         if m["hidden_size"] != drafter_config.hidden_size:
             problems.append(f"hidden_size {m['hidden_size']} != {drafter_config.hidden_size}")
-        if target_model is not None and m.get("target_model_name_or_path") != target_model:
-            problems.append(f"target {m.get('target_model_name_or_path')!r} != {target_model!r}")
         if problems:
             raise SpecserveError(f"{self.directory} does not match the drafter: " + "; ".join(problems))
 
