@@ -729,6 +729,25 @@ def test_train_refuses_a_cache_of_another_target_before_loading(
     assert not (tmp_path / "d").exists()
 
 
+def test_train_refuses_a_mask_token_past_the_vocabulary_before_loading(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """The target's vocabulary size is in its config.json: a --mask-token-id past it failed once loaded."""
+    model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    capsys.readouterr()
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr("specserve.train.run.load_model", load_model)
+    argv = ["train", "--model", model, "--cache", cache, "--output", str(tmp_path / "d"), "--steps", "1"]
+    for bad in (VOCAB, 10**9):
+        err = _refused(capsys, [*argv, "--mask-token-id", str(bad)])
+        assert err == f"error: --mask-token-id must be < {VOCAB} (the target's vocabulary size), got {bad}\n"
+    with pytest.raises(AssertionError, match="the target loaded"):  # the last id: on to the load
+        _refused(capsys, [*argv, "--mask-token-id", str(VOCAB - 1)])
+
+
 def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, capsys):
     """A resumed run took the checkpoint's drafter and training settings and silently ignored changed flags
     (more --steps trained at learning rate 0: the saved schedule had ended). Flags not given (the defaults:

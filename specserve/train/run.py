@@ -97,6 +97,14 @@ class DrafterArgs:
             config.mask_token_id,
         )
 
+    def check_target(self, text_config) -> None:
+        """What the target's config decides before it loads: the mask token is one of its ids."""
+        vocab = text_config.vocab_size
+        check(
+            self.mask_token_id is None or self.mask_token_id < vocab,
+            f"--mask-token-id must be < {vocab} (the target's vocabulary size), got {self.mask_token_id}",
+        )
+
     def method_for(self, resumed: DrafterArgs | None, directory: Path) -> str:
         """The method trained: a new drafter's, or the checkpoint's (`resumed`). Refuses a flag the method
         does not take, and one that would change the resumed drafter."""
@@ -186,7 +194,10 @@ def train_drafter(
         )
     elif not resuming:
         train_config = replace(train_config, num_anchors=max(1, min(train_config.num_anchors, longest - 1)))
-    cache.check_target(target_model, target_text_config(target_model))
+    target_text = target_text_config(target_model)
+    cache.check_target(target_model, target_text)
+    if target_text is not None:
+        drafter.check_target(target_text)
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
     if resuming:
