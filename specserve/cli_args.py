@@ -171,6 +171,18 @@ def named(items: list[str], option: str = "--drafter", value: str = "JSON") -> l
     return pairs
 
 
+def drafter_configs(items: list[str]) -> list[tuple[str, SpeculativeConfig]]:
+    """`--drafter NAME=JSON` values, all parsed now: a bad one fails before any model loads, not once the
+    drafters before it have run."""
+    configs = []
+    for name, text in named(items):
+        try:
+            configs.append((name, SpeculativeConfig.from_value(text)))
+        except (SpecserveError, TypeError) as e:
+            raise SpecserveError(f"--drafter {name}: {e}") from None
+    return configs
+
+
 def check_output(path: str | Path, directory: bool = False) -> None:
     """Refuses, before any work, an output that could only fail at the end of the run: a directory where a
     file goes or the reverse, or a place that cannot be written (the writers make missing parents)."""

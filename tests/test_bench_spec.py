@@ -98,7 +98,8 @@ def test_bench_flags_out_of_range_and_an_empty_prompt_file_are_refused_before_an
     tmp_path, capsys
 ):
     """The model does not exist: the flag's error coming first proves it is checked before the load (0
-    prompts divided by zero, a 0 context or 0 repeats failed inside torch)."""
+    prompts divided by zero, a 0 context or 0 repeats failed inside torch; a bad --drafter config failed
+    only when its turn came, after the target's and the drafters' before it runs)."""
     from specserve.cli import main
 
     prompts, empty = tmp_path / "p.jsonl", tmp_path / "empty.jsonl"
@@ -110,6 +111,14 @@ def test_bench_flags_out_of_range_and_an_empty_prompt_file_are_refused_before_an
         ([*spec, str(prompts), "--new-tokens", "1"], "--new-tokens"),
         ([*spec, str(prompts), "--ks", "3,0"], "--ks"),
         ([*spec, str(empty), "--no-llama"], str(empty)),  # --no-llama: the GGUF lookup resolves the model
+        (
+            [*spec, str(prompts), "--drafter", 'x={"method": "ngram"}', "--drafter", 'y={"method": "bogus"}'],
+            "error: --drafter y: unknown speculative method 'bogus'",
+        ),
+        (
+            [*spec, str(prompts), "--drafter", "y={"],
+            "error: --drafter y: speculative config is not valid JSON",
+        ),
         (["bench", "drafter", "--model", "no-such-model", "--context", "0"], "--context"),
         (["bench", "drafter", "--model", "no-such-model", "--repeats", "0"], "--repeats"),
         (["bench", "drafter", "--model", "no-such-model", "--block-size", "0"], "--block-size"),

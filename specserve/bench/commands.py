@@ -6,8 +6,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specserve.cli_args import DEFAULT_MODEL, add_engine_args, check_output, engine_kwargs, int_list, named
-from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, SpeculativeConfig, check
+from specserve.cli_args import (
+    DEFAULT_MODEL,
+    add_engine_args,
+    check_output,
+    drafter_configs,
+    engine_kwargs,
+    int_list,
+)
+from specserve.config import QUANTIZATION_MODES, SamplingParams, SpecserveError, check
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -153,12 +160,7 @@ def _eval(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
 
     check(args.num_prompts >= 1, f"--num-prompts must be >= 1, got {args.num_prompts}")
-    drafters = []
-    for name, text in named(args.drafter):  # every config parsed now, not after the drafters before it ran
-        try:
-            drafters.append((name, SpeculativeConfig.from_value(text)))
-        except SpecserveError as e:
-            raise SpecserveError(f"--drafter {name}: {e}") from None
+    drafters = drafter_configs(args.drafter)
     check_output(args.output, directory=True)
     datasets = {Path(f): load_eval_prompts(Path(f), args.num_prompts) for f in args.datasets.split(",")}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -199,13 +201,14 @@ def _bench_spec(args: argparse.Namespace) -> int:
     # decode tokens/s counts the tokens after the first (the prefill's)
     check(args.new_tokens >= 2, f"--new-tokens must be >= 2, got {args.new_tokens}")
     check(min(args.ks) >= 1, f"--ks must be >= 1, got {args.ks}")
+    drafters = drafter_configs(args.drafter)
     gguf = _llama_gguf(args.model) if args.llama else None
     run_spec_benchmark(
         target=args.model,
         prompt_files=[Path(p) for p in args.prompts.split(",")],
         num_prompts=args.num_prompts,
         new_tokens=args.new_tokens,
-        configs=named(args.drafter) or default_configs(args.draft_model, args.ks, args.quantization),
+        configs=drafters or default_configs(args.draft_model, args.ks, args.quantization),
         assistant=None if args.no_transformers else args.draft_model,
         quantization=args.quantization,
         llama_gguf=gguf,

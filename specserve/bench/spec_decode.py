@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import SamplingParams
+from specserve.config import SamplingParams, SpeculativeConfig
 from specserve.core.cache_groups import PagedEntry
 from specserve.llm import LLM
 from specserve.worker.model_runner import PieceInput
@@ -234,7 +234,7 @@ def run_spec_benchmark(
     prompt_files: list[Path],
     num_prompts: int,
     new_tokens: int,
-    configs: list[tuple[str, dict | str]],
+    configs: list[tuple[str, dict | str | SpeculativeConfig]],
     assistant: str | None = None,
     quantization: str | None = None,
     llama_gguf: Path | None = None,
