@@ -784,6 +784,28 @@ def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, ca
     assert json.loads((out / "config.json").read_text())["block_size"] == 3
 
 
+def test_resuming_a_run_without_its_drafter_files_is_refused(tiny_model_dir, tmp_path, capsys):
+    """A training state beside no config.json (a crashed or hand-edited run) crashed with a traceback."""
+    from specserve.cli import main
+
+    model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    out = tmp_path / "d"
+    argv = ["train", "--model", model, "--cache", cache, "--output", str(out), "--steps", "1"]
+    assert main([*argv, "--num-anchors", "4", "--mask-token-id", str(VOCAB - 1)]) == 0
+    capsys.readouterr()
+    for name, missing in (
+        ("config.json", "config.json"),
+        ("model.safetensors", "config.json or model.safetensors"),
+    ):
+        (out / name).unlink()
+        err = _refused(capsys, argv)
+        assert err == (
+            f"error: {out} holds a training state (training_state.pt) but not the drafter's {missing}, so "
+            "the run cannot resume: train into another --output, or remove training_state.pt to start anew "
+            "there\n"
+        )
+
+
 def test_target_cache_refuses_bad_lengths_and_layers(tmp_path, capsys):
     from tests.tiny_models import save_tiny_chat_model
 

@@ -178,6 +178,14 @@ def train_drafter(
     output = Path(output)
     resuming = (output / STATE_FILE).is_file()
     if resuming:
+        # A run writes its drafter beside its state at each checkpoint: one missing was cut short or edited.
+        missing = [name for name in ("config.json", "model.safetensors") if not (output / name).is_file()]
+        check(
+            not missing,
+            f"{output} holds a training state ({STATE_FILE}) but not the drafter's {' or '.join(missing)}, "
+            f"so the run cannot resume: train into another --output, or remove {STATE_FILE} to start anew "
+            "there",
+        )
         saved = Trainer.saved_config(output)
         check_unchanged({name: getattr(train_config, name) for name in given}, asdict(saved), output)
         train_config = saved
