@@ -785,7 +785,8 @@ def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, ca
 
 
 def test_resuming_a_run_without_its_drafter_files_is_refused(tiny_model_dir, tmp_path, capsys):
-    """A training state beside no config.json (a crashed or hand-edited run) crashed with a traceback."""
+    """A training state beside no config.json, or a cut one (a crashed or hand-edited run), crashed with a
+    traceback."""
     from specserve.cli import main
 
     model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
@@ -793,6 +794,15 @@ def test_resuming_a_run_without_its_drafter_files_is_refused(tiny_model_dir, tmp
     argv = ["train", "--model", model, "--cache", cache, "--output", str(out), "--steps", "1"]
     assert main([*argv, "--num-anchors", "4", "--mask-token-id", str(VOCAB - 1)]) == 0
     capsys.readouterr()
+    (out / "config.json").write_text('{"architectures": ')
+    err = _refused(capsys, argv)
+    assert err.startswith(
+        f"error: {out / 'config.json'} is not valid JSON (Expecting value: line 1 column 19"
+    )
+    assert err.endswith(
+        "), so the run cannot resume: train into another --output, or remove training_state.pt to start anew "
+        "there\n"
+    )
     for name, missing in (
         ("config.json", "config.json"),
         ("model.safetensors", "config.json or model.safetensors"),

@@ -30,6 +30,9 @@ from specserve.train.target_cache import TargetCache
 from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics, truncate_metrics
 
 CURVE_WINDOW = 50  # steps the plotted curves average over (at most a tenth of the run)
+_CANNOT_RESUME = (
+    f"so the run cannot resume: train into another --output, or remove {STATE_FILE} to start anew there"
+)
 
 
 # The drafter flags each method takes (`method` aside); any other one given is refused, not ignored.
@@ -84,7 +87,12 @@ class DrafterArgs:
     @classmethod
     def of_checkpoint(cls, directory: Path) -> DrafterArgs:
         """The flags that made the drafter in `directory` (its config.json; no target needed)."""
-        config = parse_drafter_config(json.loads((directory / "config.json").read_text()), str(directory))
+        path = directory / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:  # a run cut short while writing it
+            raise SpecserveError(f"{path} is not valid JSON ({exc}), {_CANNOT_RESUME}") from None
+        config = parse_drafter_config(raw, str(directory))
         if isinstance(config, Eagle3Config):
             return cls("eagle3", ttt_length=config.ttt_length)
         heads = config.confidence_head  # what `new_config` gives DSpark, not DFlash
@@ -183,8 +191,7 @@ def train_drafter(
         check(
             not missing,
             f"{output} holds a training state ({STATE_FILE}) but not the drafter's {' or '.join(missing)}, "
-            f"so the run cannot resume: train into another --output, or remove {STATE_FILE} to start anew "
-            "there",
+            + _CANNOT_RESUME,
         )
         saved = Trainer.saved_config(output)
         check_unchanged({name: getattr(train_config, name) for name in given}, asdict(saved), output)
