@@ -24,6 +24,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):  # a string "no" would mean yes
+            check(
+                isinstance(getattr(self, name), bool),
+                f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}",
+                f"structured_outputs.{name}",
+            )
         given = [
             name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])

@@ -129,6 +129,10 @@ def test_bad_constraints_are_clear_errors(chat_dir, tiny_model_dir):
         SamplingParams(structured_outputs={"jsn": {}})
     with pytest.raises(SpecserveError, match="non-empty list"):
         StructuredOutputsParams(choice=[])
+    for flags in ({"json_object": "no"}, {"regex": "a", "disable_any_whitespace": 1}):
+        with pytest.raises(SpecserveError, match="must be true or false") as refused:
+            SamplingParams(structured_outputs=flags)
+        assert refused.value.param == f"structured_outputs.{next(k for k in flags if k != 'regex')}"
     no_tokenizer = LLM(str(tiny_model_dir("qwen3")), max_model_len=64)
     with pytest.raises(SpecserveError, match="need the model's tokenizer"):
         no_tokenizer.generate([[5, 6]], SamplingParams(structured_outputs={"choice": ["a"]}))

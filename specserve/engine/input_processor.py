@@ -14,6 +14,16 @@ from specserve.layers.sampler import make_generator
 PromptType = str | list[int] | Mapping[str, object]
 
 
+def check_prompt_fits(num_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room for one generated token (the engine's, and the server's before it queues)."""
+    check(
+        num_tokens < max_model_len,
+        f"the prompt has {num_tokens} tokens; max_model_len is {max_model_len}, so at most "
+        f"{max_model_len - 1} prompt tokens leave room for one generated token",
+        "prompt",
+    )
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, device: torch.device):
         self.tokenizer = tokenizer
@@ -81,12 +91,7 @@ class InputProcessor:
             raise SpecserveError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids, text = self.tokenize(prompt)
         self._check_vocabulary(params)
-        if len(token_ids) >= self.max_model_len:
-            raise SpecserveError(
-                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, so at most "
-                f"{self.max_model_len - 1} prompt tokens leave room for one generated token",
-                "prompt",
-            )
+        check_prompt_fits(len(token_ids), self.max_model_len)
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         generator = make_generator(params.seed, self.device) if params.seed is not None else None

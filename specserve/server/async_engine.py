@@ -35,6 +35,7 @@ from specserve.config import SamplingParams, SpecserveError, StructuredOutputsPa
 from specserve.core.sequence import RequestMetrics, Sequence
 from specserve.core.spec_stats import SpecStats
 from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.input_processor import check_prompt_fits
 from specserve.engine.outputs import CompletionOutput, RequestOutput
 from specserve.parallel.group import TensorParallelError
 from specserve.server.limits import PromptBound
@@ -380,12 +381,7 @@ class AsyncEngine:
                 last_source = request.prompt
                 with the_requests_fault("the prompt could not be tokenized", "prompt"):
                     last_ids = self._token_ids(_build(request.prompt))
-                if len(last_ids) >= max_len:
-                    raise SpecserveError(
-                        f"the prompt has {len(last_ids)} tokens; max_model_len is {max_len}, so at most "
-                        f"{max_len - 1} prompt tokens leave room for one generated token",
-                        "prompt",
-                    )
+                check_prompt_fits(len(last_ids), max_len)
             max_tokens = request.params.max_tokens
             if request.strict_max_tokens and max_tokens and len(last_ids) + max_tokens > max_len:
                 total = len(last_ids) + max_tokens
