@@ -227,9 +227,13 @@ def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     # A channel's 4 inputs of a line move together, as one int32, not byte by byte; codes below 16 shift
     # into their byte's high nibble without a carry into the next byte.
+    # (Written into a byte tensor of its own: a view of the words would keep them, a second holder of its
+    # storage, which huge_pages.py would then leave where it is.)
     words = q.contiguous().view(torch.int32).reshape(n // 16, 16, k // 4).permute(0, 2, 1)
     lines = words.reshape(n // 16, k // 8, 2, 16)
-    return (lines[:, :, 0] | (lines[:, :, 1] << 4)).contiguous().view(torch.uint8)
+    packed = torch.empty(n // 16, k // 8, 64, dtype=torch.uint8, device=q.device)
+    torch.bitwise_or(lines[:, :, 0], lines[:, :, 1] << 4, out=packed.view(torch.int32))
+    return packed
 
 
 def unpack_int4_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -242,7 +246,9 @@ def pack_int8_codes(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> int8 [N / 16, K / 4, 64]."""
     n, k = q.shape
     words = q.contiguous().view(torch.int32).reshape(n // 16, 16, k // 4).permute(0, 2, 1)  # as int4's
-    return words.contiguous().view(torch.int8).reshape(n // 16, k // 4, 64)
+    packed = torch.empty(n // 16, k // 4, 64, dtype=torch.int8, device=q.device)
+    packed.view(torch.int32).copy_(words)
+    return packed
 
 
 def unpack_int8_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -264,10 +270,11 @@ def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
 def _pack_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[N, X] twice -> [N / 16, X, 32]: per tile and X, a's 16 channels, then b's."""
     n, x = a.shape
-    out = torch.empty(n // 16, x, 2, 16, dtype=a.dtype, device=a.device)
-    out[:, :, 0] = a.reshape(n // 16, 16, x).transpose(1, 2)  # written in place: no stacked copy to permute
-    out[:, :, 1] = b.reshape(n // 16, 16, x).transpose(1, 2)
-    return out.view(n // 16, x, 32)
+    out = torch.empty(n // 16, x, 32, dtype=a.dtype, device=a.device)
+    halves = out.view(n // 16, x, 2, 16)  # written in place: no stacked copy to permute
+    halves[:, :, 0] = a.reshape(n // 16, 16, x).transpose(1, 2)
+    halves[:, :, 1] = b.reshape(n // 16, 16, x).transpose(1, 2)
+    return out
 
 
 def _unpack_pairs(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
