@@ -85,7 +85,7 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     """An int proper: Python counts bool as one, but True is never meant as a count, an id or a seed."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -133,7 +133,7 @@ class SamplingParams:
                 f"{name} must be a list, got {type(value).__name__}",
             )
             setattr(self, name, list(value or []))
-        check(_is_int(self.n) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
+        check(is_int(self.n) and self.n == 1, f"n must be 1 for now, got {self.n!r}")
         for name in (
             "temperature",
             "top_p",
@@ -147,7 +147,7 @@ class SamplingParams:
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}",
         )
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
@@ -161,23 +161,23 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(
-                value is None or (_is_int(value) and 0 <= value <= 20),
+                value is None or (is_int(value) and 0 <= value <= 20),
                 f"{name} must be an integer in [0, 20], got {value!r}",
             )
         # what torch.Generator.manual_seed takes (negative seeds wrap, as vLLM's)
         check(
-            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
             f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}",
         )
         for name in ("ignore_eos", "skip_special_tokens"):
@@ -192,7 +192,7 @@ class SamplingParams:
         )
         for token, bias in self.logit_bias.items():
             check(
-                _is_int(token) and token >= 0,
+                is_int(token) and token >= 0,
                 f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
                 "logit_bias",
             )

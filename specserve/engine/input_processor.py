@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from specserve.config import SamplingParams, SpecserveError, check
+from specserve.config import SamplingParams, SpecserveError, check, is_int
 from specserve.core.sequence import Sequence
 from specserve.layers.sampler import make_generator
 
@@ -67,9 +67,7 @@ class InputProcessor:
         ids = list(ids)
         if not ids:
             raise SpecserveError("the prompt is empty", "prompt")
-        bad = [
-            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-        ]
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise SpecserveError(
                 f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}", "prompt"

@@ -16,6 +16,7 @@ from torch import nn
 
 from specserve.layers import kernels
 from specserve.layers.fusion import Fusion
+from specserve.layers.huge_pages import trim_heap
 from specserve.layers.meta_device import on_meta
 from specserve.layers.mlp import GatedMLP
 from specserve.layers.quant import StackedLinears, stack_layers, stackable
@@ -176,6 +177,7 @@ class Experts(nn.ModuleList):
         for which, stacked in zip(("gate_up", "down"), self.stacks, strict=True):
             for name, tensor in zip(stacked.names, stacked.buffers, strict=True):
                 self.register_buffer(f"stacked_{which}_{name}", tensor, persistent=False)
+        trim_heap()  # a layer's experts at a time: the pieces freed for the stack would double a load's peak
         return True
 
 

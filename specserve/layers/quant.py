@@ -60,7 +60,6 @@ from torch import nn
 from specserve.config import QUANTIZATION_MODES, SpecserveError
 from specserve.layers import kernels
 from specserve.layers.fusion import Fusion
-from specserve.layers.huge_pages import trim_heap
 from specserve.layers.linear import PackedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -740,6 +739,6 @@ def fuse_projections(model: nn.Module) -> int:
                 count += 1
     for module in list(model.modules()):
         stack = getattr(module, "stack_experts", None)
-        if stack is not None and stack():
-            trim_heap()  # a layer's experts at a time: stacking the whole model's could double its peak
+        if stack is not None:
+            stack()
     return count
