@@ -183,15 +183,22 @@ def _check_mtp(target_files: ModelFiles, hybrid: bool, model: str) -> None:
     names = _checkpoint_tensor_names(target_files)
     if names is not None and not any(name.startswith("mtp.") for name in names):
         raise SpecserveError(
-            f"{model}: the checkpoint has no mtp.* tensors (a GGUF conversion drops them); "
-            "method 'mtp' needs the original safetensors"
+            f"{model}: the checkpoint has no mtp.* tensors (a GGUF converted without its MTP layer has "
+            "none); method 'mtp' needs a checkpoint or GGUF that carries it"
         )
 
 
 def _checkpoint_tensor_names(files: ModelFiles) -> list[str] | None:
-    """Tensor names from the safetensors index or the files' headers (no tensor is read)."""
+    """Tensor names from the safetensors index or the files' headers (no tensor is read); a GGUF's (or a
+    conversion's without its fp32 weights) are the checkpoint's names it converts to."""
+    from specserve.models import gguf
+    from specserve.models.gguf_header import GGUFHeader
+
+    source = files.gguf_parts or (files.directory and gguf.unwritten_weights_source(files.directory))
+    if source:
+        return [p.hf_name for p in gguf.plan_tensors(GGUFHeader(source))]
     if files.directory is None:
-        return [] if files.gguf_parts else None
+        return None
     index = files.directory / "model.safetensors.index.json"
     if index.is_file():
         return list(json.loads(index.read_text())["weight_map"])

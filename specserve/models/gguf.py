@@ -22,7 +22,14 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
   differently from `token_embd` (Q8_0 vs Q5_0, Q6_K vs Q4_K), so the two differ after dequantization and
   the converted model is untied (as transformers also loads it). Gemma 3 270M has none: tied.
 - Qwen3-MoE experts are stacked into one [n_expert, ...] tensor per projection; we split them back into
-  HF's per-expert checkpoint names.
+  HF's per-expert checkpoint names (Qwen3.5-MoE's checkpoints fuse them again: `checkpoint_tensors`).
+- Qwen3.5 / Qwen3.6 (`qwen35`, `qwen35moe`; llama.cpp's `_LinearAttentionVReorderBase`, checked against
+  llama.cpp itself by tests/test_gguf_hybrid.py): norms stored as w + 1 as Gemma's (not the linear
+  attention's gated `ssm_norm`); `A_log` stored as `ssm_a` = -exp(A_log) and `dt_bias` as `ssm_dt.bias`;
+  the conv kernel squeezed to [channels, kernel]; where there are more value heads than key heads, the
+  value heads are stored tiled over the key heads (`VHeadOrder`): rows of in_proj_qkv's v part, in_proj_z,
+  in_proj_a/b, the conv's v channels, A_log and dt_bias; columns of out_proj. The multi-token-prediction
+  layer is a last block (`nextn_predict_layers`), its own tensors under `nextn.`.
 - Parsing a GGUF with `GGUFReader` costs 7-11 s here (it walks the 150k-260k token strings), so a
   conversion parses once; cached directories are found without opening the GGUF at all.
 
@@ -30,7 +37,8 @@ Quantized loading (`load_quantized`, used when the engine is asked for int8/int4
 weights from the GGUF itself rather than from the fp32 conversion: Q8_0 blocks become int8 (their codes
 and scales) and Q4_K blocks int4 (group 32, their own codes and two-level scales, exactly: the kernel's
 int4 format is Q4_K's) without an fp32 copy of the tensor; other types (Q4_0 among them) are dequantized
-in memory, one tensor at a time, and requantized.
+in memory, one tensor at a time, and requantized. Rows put back in order move whole blocks (exact);
+columns put back (Qwen3.5's out_proj) cross them, so that weight is requantized.
 """
 
 from __future__ import annotations
@@ -69,7 +77,11 @@ CONVERTER_VERSION = 1
 MARKER_FILE = "specserve_conversion.json"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
-SUPPORTED_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
+# llama.cpp stores these architectures' RMSNorm weights as w + 1 (their checkpoints scale by 1 + w, its norm
+# by w); Qwen3.5's gated norm of the linear-attention output (`ssm_norm`) scales by w and is stored as it is.
+_PLUS_ONE_NORMS = ("gemma3", "qwen35", "qwen35moe")
+_HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # Control tokens llama.cpp also treats as end-of-generation (it matches them by text).
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
@@ -253,6 +265,8 @@ def build_hf_config(reader):
             norm_topk_prob=True,
             **common,
         )
+    if arch in _HYBRID_ARCHS:
+        return _qwen35_config(meta, common, head_dim)
     # gemma3
     from transformers import Gemma3TextConfig
 
@@ -277,6 +291,50 @@ def build_hf_config(reader):
     )
 
 
+def _qwen35_config(meta: _Meta, common: dict[str, Any], head_dim):
+    """Qwen3.5 / Qwen3.6 (dense and MoE). llama.cpp appends the multi-token-prediction layers to the blocks
+    (`nextn_predict_layers` of them, last), keeps one full-attention layer in `full_attention_interval`, and
+    stores the linear attention's shape under its `ssm.*` keys: the group count is the key heads, the
+    time-step rank the value heads, the state size the key head dim, the inner size all value dims."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    mtp_layers = int(meta.arch_key("nextn_predict_layers") or 0)
+    layers = common["num_hidden_layers"] - mtp_layers
+    interval = int(meta.require("full_attention_interval"))
+    head_dim = int(head_dim or common["hidden_size"] // common["num_attention_heads"])
+    value_heads = int(meta.require("ssm.time_step_rank"))
+    rope = _rope_parameters(meta)
+    rope["partial_rotary_factor"] = int(meta.arch_key("rope.dimension_count") or head_dim) / head_dim
+    sections = [int(s) for s in meta.arch_key("rope.dimension_sections") or []]
+    if any(sections):  # multimodal RoPE: on text positions every section turns alike, as plain RoPE
+        rope.update(mrope_section=sections[:3], mrope_interleaved=True)
+    fields = {
+        **common,
+        "num_hidden_layers": layers,
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+        ],
+        "head_dim": head_dim,
+        "rope_parameters": rope,
+        "linear_conv_kernel_dim": int(meta.require("ssm.conv_kernel")),
+        "linear_key_head_dim": int(meta.require("ssm.state_size")),
+        "linear_num_key_heads": int(meta.require("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(meta.require("ssm.inner_size")) // value_heads,
+        "mtp_num_hidden_layers": mtp_layers,
+    }
+    if meta.arch == "qwen35":
+        return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **fields)
+    return Qwen3_5MoeTextConfig(
+        architectures=["Qwen3_5MoeForCausalLM"],
+        num_experts=int(meta.require("expert_count")),
+        num_experts_per_tok=int(meta.require("expert_used_count")),
+        moe_intermediate_size=int(meta.require("expert_feed_forward_length")),
+        shared_expert_intermediate_size=int(meta.require("expert_shared_feed_forward_length")),
+        **fields,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 
 _TOP_LEVEL = {
@@ -296,6 +354,17 @@ _LAYER_COMMON = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QWEN35 = {
+    **_LAYER_COMMON,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
 _LAYER_BY_ARCH = {
     "qwen2": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
     "qwen3": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
@@ -307,10 +376,72 @@ _LAYER_BY_ARCH = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "qwen35": _QWEN35,
+    "qwen35moe": {
+        **_QWEN35,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
+}
+# Block tensors that are parameters of their own (no `.weight` of a module), by (name, kind) in the block.
+_PARAMETERS = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+# The multi-token-prediction blocks llama.cpp appends (Qwen3.5): their own tensors, by the checkpoint's names.
+_MTP = {
+    "nextn.eh_proj": "mtp.fc",
+    "nextn.enorm": "mtp.pre_fc_norm_embedding",
+    "nextn.hnorm": "mtp.pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "mtp.norm",
 }
 _EXPERT_LEAVES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9.]+?)(?:\.(weight|bias))?$")
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class VHeadOrder:
+    """llama.cpp's converter stores the value heads of a linear-attention layer tiled over the key heads
+    ([k0v0, k1v0, ..., k0v1, k1v1, ...]) where the checkpoint groups them by key head ([k0v0, k0v1, ...,
+    k1v0, ...]), whenever there are more value heads than key heads. This is that order along `axis` (0:
+    rows, which quantized blocks follow exactly; 1: columns), after the first `start` elements (q and k)."""
+
+    axis: int
+    start: int
+    key_heads: int
+    per_key: int
+    head_dim: int
+
+    def index(self, length: int) -> np.ndarray:
+        """For each of the checkpoint's `length` elements along `axis`, its position in the file."""
+        tiled = np.arange(self.key_heads * self.per_key * self.head_dim)
+        grouped = self.start + tiled.reshape(self.per_key, self.key_heads, self.head_dim).transpose(1, 0, 2)
+        return np.concatenate(
+            [np.arange(self.start), grouped.reshape(-1), np.arange(self.start + tiled.size, length)]
+        )
+
+
+def _v_head_orders(meta: _Meta) -> dict[str, VHeadOrder]:
+    """The reordered tensors of a Qwen3.5 linear-attention layer, by their name in the block."""
+    key_heads, value_heads = meta.arch_key("ssm.group_count"), meta.arch_key("ssm.time_step_rank")
+    if meta.arch not in _HYBRID_ARCHS or key_heads == value_heads:
+        return {}
+    key_heads, per_key = int(key_heads), int(value_heads) // int(key_heads)
+    qk = 2 * key_heads * int(meta.require("ssm.state_size"))
+    value_dim = int(meta.require("ssm.inner_size")) // int(value_heads)
+    order = lambda axis, start, head_dim: VHeadOrder(axis, start, key_heads, per_key, head_dim)
+    per_head = order(0, 0, 1)
+    return {
+        "attn_qkv": order(0, qk, value_dim),
+        "ssm_conv1d": order(0, qk, value_dim),
+        "attn_gate": order(0, 0, value_dim),
+        "ssm_beta": per_head,
+        "ssm_alpha": per_head,
+        "ssm_a": per_head,
+        "ssm_dt": per_head,
+        "ssm_out": order(1, 0, value_dim),
+    }
 
 
 @dataclass(frozen=True)
@@ -321,34 +452,105 @@ class PlannedTensor:
     shape: tuple[int, ...]
     source: int  # index into reader.tensors
     expert: int | None = None  # slice of a stacked [n_expert, ...] tensor
-    offset: float = 0.0  # subtracted after dequantization (Gemma norms)
+    offset: float = 0.0  # subtracted after dequantization (norms stored as w + 1)
+    v_heads: VHeadOrder | None = None  # value heads stored tiled (Qwen3.5)
+    negated_exp: bool = False  # stored as -exp(x) (Qwen3.5's A_log)
 
 
-def plan_tensors(reader, arch: str) -> list[PlannedTensor]:
+def plan_tensors(reader) -> list[PlannedTensor]:
     """HF name, shape and source of every output tensor; raises on a GGUF tensor we do not know."""
+    meta = _Meta(reader)
+    arch = meta.arch
     layer_map = _LAYER_BY_ARCH[arch]
+    mtp_from = int(meta.require("block_count")) - int(meta.arch_key("nextn_predict_layers") or 0)
+    v_heads = _v_head_orders(meta)
     plan: list[PlannedTensor] = []
+
+    def unknown(name: str) -> SpecserveError:
+        return SpecserveError(f"GGUF tensor {name!r} has no HF counterpart for architecture {arch!r}")
+
     for idx, t in enumerate(reader.tensors):
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        offset = 1.0 if arch == "gemma3" and t.name.endswith("norm.weight") else 0.0
+        shape = tuple(int(d) for d in reversed(list(t.shape)))  # GGUFReader's array or GGUFHeader's list
+        plus_one = t.name.endswith("norm.weight") and not t.name.endswith("ssm_norm.weight")
+        offset = 1.0 if arch in _PLUS_ONE_NORMS and plus_one else 0.0
         if m := _BLOCK_RE.match(t.name):
-            layer, leaf, kind = m.groups()
-            prefix = f"model.layers.{layer}"
-            if leaf in _EXPERT_LEAVES and arch == "qwen3moe":
+            layer, leaf, kind = int(m.group(1)), m.group(2), m.group(3)
+            prefix = f"model.layers.{layer}" if layer < mtp_from else f"mtp.layers.{layer - mtp_from}"
+            planned = dict(source=idx, offset=offset, v_heads=v_heads.get(leaf))
+            if leaf in _EXPERT_LEAVES and "ffn_gate_inp" in layer_map:
                 for e in range(shape[0]):
                     name = f"{prefix}.mlp.experts.{e}.{_EXPERT_LEAVES[leaf]}.{kind}"
                     plan.append(PlannedTensor(name, shape[1:], idx, expert=e))
-                continue
-            if leaf not in layer_map:
-                raise SpecserveError(
-                    f"GGUF tensor {t.name!r} has no HF counterpart for architecture {arch!r}"
-                )
-            plan.append(PlannedTensor(f"{prefix}.{layer_map[leaf]}.{kind}", shape, idx, offset=offset))
+            elif leaf in _MTP and layer >= mtp_from:
+                plan.append(PlannedTensor(f"{_MTP[leaf]}.{kind}", shape, **planned))
+            elif arch in _HYBRID_ARCHS and (param := _PARAMETERS.get((leaf, kind))):
+                plan.append(PlannedTensor(f"{prefix}.{param}", shape, **planned, negated_exp=leaf == "ssm_a"))
+            elif leaf in layer_map and kind is not None:
+                if leaf == "ssm_conv1d":  # the converter squeezed [channels, 1, kernel]
+                    shape = (shape[0], 1, shape[1])
+                plan.append(PlannedTensor(f"{prefix}.{layer_map[leaf]}.{kind}", shape, **planned))
+            else:
+                raise unknown(t.name)
         elif (m := _TOP_RE.match(t.name)) and m.group(1) in _TOP_LEVEL:
             plan.append(PlannedTensor(f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}", shape, idx, offset=offset))
         else:
-            raise SpecserveError(f"GGUF tensor {t.name!r} has no HF counterpart for architecture {arch!r}")
+            raise unknown(t.name)
     return plan
+
+
+def undo_conversion(p: PlannedTensor, arr: np.ndarray) -> np.ndarray:
+    """The checkpoint's tensor from its dequantized GGUF form: what llama.cpp's converter did, undone."""
+    if p.v_heads is not None:
+        arr = np.take(arr, p.v_heads.index(arr.shape[p.v_heads.axis]), axis=p.v_heads.axis)
+    if p.offset:
+        arr = arr - np.float32(p.offset)
+    if p.negated_exp:
+        arr = np.log(-arr)
+    return np.ascontiguousarray(arr, dtype=np.float32).reshape(p.shape)
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """A tensor of the written checkpoint: one planned tensor, or several written one after another."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[PlannedTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * math.prod(self.shape)
+
+
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def checkpoint_tensors(plan: list[PlannedTensor], arch: str) -> list[CheckpointTensor]:
+    """The tensors the checkpoint holds, in plan order. Qwen3.5-MoE's hold each layer's routed experts as
+    two: gate_up_proj [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and
+    down_proj [experts, hidden, width]; transformers reads no other form of them."""
+    if arch != "qwen35moe":
+        return [CheckpointTensor(p.hf_name, p.shape, (p,)) for p in plan]
+    experts: dict[str, dict[str, list[PlannedTensor]]] = {}
+    order: list[CheckpointTensor | str] = []
+    for p in plan:
+        if m := _EXPERT_RE.match(p.hf_name):
+            if m.group(1) not in experts:
+                order.append(m.group(1))
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), []).append(p)
+        else:
+            order.append(CheckpointTensor(p.hf_name, p.shape, (p,)))
+    out: list[CheckpointTensor] = []
+    for item in order:
+        if isinstance(item, CheckpointTensor):
+            out.append(item)
+            continue
+        gate, up, down = (experts[item][proj] for proj in ("gate", "up", "down"))
+        (width, hidden), n = gate[0].shape, len(gate)
+        pairs = tuple(p for e in range(n) for p in (gate[e], up[e]))
+        out.append(CheckpointTensor(f"{item}.gate_up_proj", (n, 2 * width, hidden), pairs))
+        out.append(CheckpointTensor(f"{item}.down_proj", (n, hidden, width), tuple(down)))
+    return out
 
 
 DEQUANTIZE_ROWS = 4096  # rows dequantized at once: gguf's numpy dequantizers hold a few temporaries
@@ -378,56 +580,53 @@ def dequantized_row_blocks(raw: np.ndarray, tensor_type) -> Iterator[np.ndarray]
 
 
 def iter_converted(reader, plan: list[PlannedTensor]) -> Iterator[tuple[PlannedTensor, np.ndarray]]:
-    """Dequantized, un-transformed arrays in plan order; each source tensor is dequantized once."""
-    cached_idx, cached = -1, None
+    """Dequantized, un-transformed arrays in plan order. The last two source tensors stay dequantized, so
+    that a plan alternating between two (a fused checkpoint tensor's parts) dequantizes each once."""
+    cached: dict[int, np.ndarray] = {}
     for p in plan:
-        if p.source != cached_idx:
-            cached_idx, cached = p.source, dequantize_tensor(reader.tensors[p.source])
-        arr = cached if p.expert is None else cached[p.expert]
-        if p.offset:
-            arr = arr - np.float32(p.offset)
-        yield p, np.ascontiguousarray(arr, dtype=np.float32)
+        if p.source not in cached:
+            if len(cached) == 2:
+                del cached[next(iter(cached))]
+            cached[p.source] = dequantize_tensor(reader.tensors[p.source])
+        arr = cached[p.source]
+        yield p, undo_conversion(p, arr if p.expert is None else arr[p.expert])
 
 
 def _write_safetensors(
-    path: Path, items: list[PlannedTensor], arrays: Iterator[np.ndarray], on_bytes
+    path: Path, tensors: list[CheckpointTensor], arrays: Iterator[np.ndarray], on_bytes
 ) -> None:
-    """Stream float32 tensors into a safetensors file: header from the planned shapes, then the bytes.
+    """Stream float32 tensors into a safetensors file: header from the planned shapes, then the bytes of
+    each tensor's parts in order.
 
     Writing the header first lets us hold one tensor at a time instead of a whole shard in memory.
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for p in items:
-        nbytes = 4 * int(np.prod(p.shape, dtype=np.int64))
-        header[p.hf_name] = {
-            "dtype": "F32",
-            "shape": list(p.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
+    for t in tensors:
+        header[t.name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as fh:
         fh.write(len(blob).to_bytes(8, "little"))
         fh.write(blob)
-        for p, arr in zip(items, arrays, strict=True):
-            if arr.shape != p.shape:
-                raise SpecserveError(f"{p.hf_name}: dequantized shape {arr.shape}, planned {p.shape}")
+        for part in (p for t in tensors for p in t.parts):
+            arr = next(arrays)
+            if arr.shape != part.shape:
+                raise SpecserveError(f"{part.hf_name}: dequantized shape {arr.shape}, planned {part.shape}")
             arr.tofile(fh)
             on_bytes(arr.nbytes)
 
 
-def _shard(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
-    shards: list[list[PlannedTensor]] = [[]]
+def _shard(tensors: list[CheckpointTensor], max_bytes: int) -> list[list[CheckpointTensor]]:
+    shards: list[list[CheckpointTensor]] = [[]]
     size = 0
-    for p in plan:
-        nbytes = 4 * int(np.prod(p.shape, dtype=np.int64))
-        if shards[-1] and size + nbytes > max_bytes:
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(p)
-        size += nbytes
+        shards[-1].append(t)
+        size += t.nbytes
     return shards
 
 
@@ -435,9 +634,10 @@ def write_weights(reader, plan: list[PlannedTensor], out_dir: Path, max_shard_by
     """fp32 safetensors (one file, or shards + model.safetensors.index.json as transformers writes them)."""
     from tqdm.auto import tqdm
 
-    shards = _shard(plan, max_shard_bytes)
-    total = sum(4 * int(np.prod(p.shape, dtype=np.int64)) for p in plan)
-    arrays = (arr for _, arr in iter_converted(reader, plan))
+    tensors = checkpoint_tensors(plan, _Meta(reader).arch)
+    shards = _shard(tensors, max_shard_bytes)
+    total = sum(t.nbytes for t in tensors)
+    arrays = (arr for _, arr in iter_converted(reader, [p for t in tensors for p in t.parts]))
     weight_map: dict[str, str] = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc) as bar:
         for i, items in enumerate(shards):
@@ -446,9 +646,8 @@ def write_weights(reader, plan: list[PlannedTensor], out_dir: Path, max_shard_by
                 if len(shards) == 1
                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             )
-            shard_arrays = (next(arrays) for _ in items)
-            _write_safetensors(out_dir / fname, items, shard_arrays, bar.update)
-            weight_map.update({p.hf_name: fname for p in items})
+            _write_safetensors(out_dir / fname, items, arrays, bar.update)
+            weight_map.update({t.name: fname for t in items})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -510,7 +709,7 @@ def convert_gguf(
             raise SpecserveError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
         meta = _Meta(reader)
         config = build_hf_config(reader)
-        plan = plan_tensors(reader, meta.arch)
+        plan = plan_tensors(reader)
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -544,6 +743,36 @@ def convert_gguf(
     return out_dir
 
 
+def _source_of_weights(model_dir: Path, info: dict) -> Path:
+    source = gguf_source(model_dir)
+    if source is None:
+        raise SpecserveError(
+            f"{model_dir} needs its fp32 weights from {info['source']}, which is gone or has changed "
+            f"since it was converted: put the file back, or delete {model_dir} and load the GGUF again"
+        )
+    return source
+
+
+def unwritten_weights_source(model_dir: Path) -> Path | None:
+    """The GGUF to read a conversion's tensors from while its fp32 weights are not written (a quantized
+    load never writes them); None for any other directory."""
+    info = _marker(Path(model_dir))
+    if info is None or info.get("fp32_weights", True):
+        return None
+    return _source_of_weights(Path(model_dir), info)
+
+
+def iter_gguf_tensors(gguf_path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors whose names start with `prefix`, read from the GGUF: dequantized, in fp32, the
+    converter's transforms undone; stacked experts come one per expert (as `load_weights` takes them)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    plan = [p for p in plan_tensors(reader) if p.hf_name.startswith(prefix)]
+    for p, arr in iter_converted(reader, plan):
+        yield p.hf_name, torch.from_numpy(arr)
+
+
 def ensure_fp32_weights(model_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write a GGUF conversion's fp32 safetensors if it has none yet (a load that reads fp32 weights, or
     transformers', needs them); any other directory is left as it is."""
@@ -558,19 +787,14 @@ def ensure_fp32_weights(model_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHAR
             return
         for stale in model_dir.glob(".weights.tmp-*"):  # left by a killed run (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
-        source = gguf_source(model_dir)
-        if source is None:
-            raise SpecserveError(
-                f"{model_dir} needs its fp32 weights from {info['source']}, which is gone or has changed "
-                f"since it was converted: put the file back, or delete {model_dir} and load the GGUF again"
-            )
+        source = _source_of_weights(model_dir, info)
         start = time.perf_counter()
         print(
             f"[specserve] writing the fp32 weights of {source.name} (once; later loads reuse them)",
             flush=True,
         )
         reader = GGUFReader(str(source))
-        plan = plan_tensors(reader, info["architecture"])
+        plan = plan_tensors(reader)
         tmp = model_dir / f".weights.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:  # written aside, moved in, recorded last: a killed run leaves files the next one replaces
@@ -634,15 +858,23 @@ def decode_q4_k(data: np.ndarray) -> Int4Weights:
 def quantized_linear_from_gguf(
     tensor, plan: PlannedTensor, mode: str, bias, use_kernel: bool | None = None
 ) -> QuantizedLinear:
-    """The quantized layer for one GGUF linear weight: from its blocks when the format maps onto the mode,
-    else dequantized and requantized a block of rows at a time."""
+    """The quantized layer for one GGUF linear weight: from its blocks (rows put in order) when the format
+    maps onto the mode and no column moves, else dequantized and requantized a block of rows at a time."""
     kind = tensor.tensor_type.name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
-    if mode == "int8" and kind == "Q8_0":
+    columns = None
+    if plan.v_heads is not None and plan.v_heads.axis == 0:  # whole rows move: the blocks stay as they are
+        raw = raw[plan.v_heads.index(raw.shape[0])]
+    elif plan.v_heads is not None:  # columns move across blocks: requantized
+        columns = plan.v_heads.index(plan.shape[1])
+    if columns is None and mode == "int8" and kind == "Q8_0":
         return Int8Linear(*decode_q8_0(raw), bias, use_kernel)
-    if mode == "int4" and kind == "Q4_K":
+    if columns is None and mode == "int4" and kind == "Q4_K":
         return Int4Linear(decode_q4_k(raw), bias, use_kernel)
-    blocks = (torch.from_numpy(block) for block in dequantized_row_blocks(raw, tensor.tensor_type))
+    blocks = (
+        torch.from_numpy(block if columns is None else block[:, columns])
+        for block in dequantized_row_blocks(raw, tensor.tensor_type)
+    )
     return quantize_row_blocks(blocks, plan.shape, bias, mode, use_kernel=use_kernel)
 
 
@@ -670,14 +902,15 @@ def load_quantized(
     from tqdm.auto import tqdm
 
     reader = GGUFReader(str(gguf_path))
-    plan = plan_tensors(reader, _Meta(reader).arch)
+    plan = plan_tensors(reader)
     targets = {f"{n}.weight": names for names in quantizable_linears(model, mode) for n in names}
     rest = []
     # slow where blocks are requantized (Q6_K, Q5_0: numpy); the result is cached (models/prepare.py)
     for p in tqdm(plan, desc=f"{mode} weights from {gguf_path.name}", unit="tensor", leave=False):
         names = targets.get(p.hf_name)
         if names is None:
-            rest.append(p)
+            if model.checkpoint_name_map(p.hf_name) is not None:  # not the tensors it skips (`mtp.*`)
+                rest.append(p)
             continue
         bias = model.get_submodule(names[0]).bias
         layer = quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias, use_kernel)

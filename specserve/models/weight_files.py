@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import SpecserveError
+from specserve.models import gguf
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -31,8 +32,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def iter_checkpoint_tensors(model_dir: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every tensor of every safetensors file whose name starts with `prefix`,
-    one at a time (mmap'd reads: the others are never read)."""
+    one at a time (mmap'd reads: the others are never read). A GGUF's conversion without its fp32 weights
+    is read from the GGUF."""
     from safetensors import safe_open
+
+    if (source := gguf.unwritten_weights_source(Path(model_dir))) is not None:
+        yield from gguf.iter_gguf_tensors(source, prefix)
+        return
 
     for path in safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as fh:

@@ -62,8 +62,8 @@ class MTPDrafter(Eagle3Drafter):
         weights = list(iter_checkpoint_tensors(target.model_dir, prefix="mtp."))
         if not weights:
             raise SpecserveError(
-                f"{target.model_name}: the checkpoint has no mtp.* tensors (a GGUF conversion drops them); "
-                "method 'mtp' needs the original safetensors"
+                f"{target.model_name}: the checkpoint has no mtp.* tensors (a GGUF converted without its "
+                "MTP layer has none); method 'mtp' needs a checkpoint or GGUF that carries it"
             )
         predictor = MultiTokenPredictor(target.model_config)
         predictor.load_weights(weights)
