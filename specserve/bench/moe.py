@@ -1,19 +1,23 @@
-"""Mixture-of-experts decode on this CPU: a Qwen3-30B-A3B-shaped model (its layer shapes: hidden 2048, 128
-experts of width 768, top 8, 32 query / 4 KV heads of 128; fewer layers, and the vocabulary scaled with
-them so that the head's share of a token's reads stays the real model's), random int4 weights made in the
-kernel's layout (no checkpoint, no fp32 copy), timed with the routed experts in grouped kernel calls and
-with the loop over experts, round by round in turn on the same weights; and llama.cpp (llama-cpp-python,
-`pip install 'specserve[bench]'`) on a qwen3moe GGUF of the same shapes with random Q4_K weights (written
-here with the `gguf` package, routers F32), timed in the same rounds.
+"""Mixture-of-experts decode on this CPU: a model of a released MoE's layer shapes (fewer layers, and the
+vocabulary scaled with them so that the head's share of a token's reads stays the real model's), random int4
+weights made in the kernel's layout (no checkpoint, no fp32 copy), timed with the routed experts in grouped
+kernel calls and with the loop over experts, round by round in turn on the same weights; and llama.cpp
+(llama-cpp-python, `pip install 'specserve[bench]'`) on a GGUF of the same shapes with random Q4_K weights
+(written here with the `gguf` package, routers F32), timed in the same rounds. `--model`:
+- `qwen3-30b-a3b` (the default): hidden 2048, 128 experts of width 768, top 8, 32 query / 4 KV heads of 128.
+- `qwen3.6-35b-a3b`: the hybrid (Qwen3.5 / 3.6 MoE): three Gated DeltaNet layers (16 key / 32 value heads
+  of 128) to one gated full-attention layer (16 query / 2 KV heads of 256), 256 experts of width 512, top 8,
+  and a shared expert of 512; `--layers` a multiple of 4. llama.cpp cannot cut its recurrent state back,
+  so its context is evaluated again (untimed) before each of its timed forwards.
 
-    python -m specserve.bench.moe [--layers 8] [--context 64] [--rounds 5] [--out results.json] [--no-llama]
+    python -m specserve.bench.moe [--model M] [--layers 8] [--context 64] [--rounds 5] [--out F] [--no-llama]
 
 Per mode: T(q), one model forward over q new tokens after `--context` cached ones with logits for all q
-rows (as verification needs), for q = 1..9 and 16; T(1) is a batch-1 decode step (the engine's scheduling
-and sampling excluded), and T(q)/T(1) the cost of verifying q - 1 drafts. The read
-roofline: the weight bytes a forward reads (attention and head int4, routers fp32, and the int4 weights of
-the experts its rows are routed to: top-k for one row, more distinct ones for q rows) over the read
-bandwidth measured in the same run.
+rows (as verification needs; for the hybrid, keeping what a rollback needs), for q = 1..9 and 16; T(1) is a
+batch-1 decode step (the engine's scheduling and sampling excluded), and T(q)/T(1) the cost of verifying
+q - 1 drafts. The read roofline: the weight bytes a forward reads (attention and head int4, routers fp32,
+and the int4 weights of the experts its rows are routed to: top-k for one row, more distinct ones for q
+rows) over the read bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,30 +53,88 @@ from specserve.models.registry import model_skeleton
 from specserve.platform import CPU
 from specserve.worker.model_runner import ModelRunner, PieceInput
 
-# Qwen3-30B-A3B's config.json, less its layer count and vocabulary
-SHAPES = dict(
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-    norm_topk_prob=True,
-    max_position_embeddings=4096,
-)
-REAL_LAYERS, REAL_VOCAB = 48, 151936
+
+@dataclass(frozen=True)
+class Shape:
+    """A released model's layer shapes (its config.json, less its layer count and vocabulary)."""
+
+    config_class: type
+    fields: dict
+    layers: int
+    vocab: int
+    gguf_arch: str  # llama.cpp's name for the architecture
+
+
+SHAPES = {
+    "qwen3-30b-a3b": Shape(
+        transformers.Qwen3MoeConfig,
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+        ),
+        layers=48,
+        vocab=151936,
+        gguf_arch="qwen3moe",
+    ),
+    # hybrid: three Gated DeltaNet layers to one gated full-attention layer, a shared expert beside the routed
+    "qwen3.6-35b-a3b": Shape(
+        transformers.Qwen3_5MoeTextConfig,
+        dict(
+            hidden_size=2048,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=256,
+            num_experts_per_tok=8,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+            max_position_embeddings=4096,
+        ),
+        layers=40,
+        vocab=248320,
+        gguf_arch="qwen35moe",
+    ),
+}
+FULL_ATTENTION_INTERVAL = 4  # Qwen3.6's: every fourth layer is full attention
 Q_VALUES = [*range(1, 10), 16]
 BLOCK = 16
 MODES = ("grouped", "loop")
 
 
-def shaped_config(layers: int) -> transformers.PretrainedConfig:
-    vocab = REAL_VOCAB * layers // REAL_LAYERS // N_MULTIPLE * N_MULTIPLE
-    return transformers.Qwen3MoeConfig(**SHAPES, num_hidden_layers=layers, vocab_size=vocab)
+def shaped_config(layers: int, model: str = "qwen3-30b-a3b") -> transformers.PretrainedConfig:
+    shape = SHAPES[model]
+    vocab = shape.vocab * layers // shape.layers // N_MULTIPLE * N_MULTIPLE
+    fields = dict(shape.fields, num_hidden_layers=layers, vocab_size=vocab)
+    if shape.gguf_arch == "qwen35moe":
+        interval = FULL_ATTENTION_INTERVAL
+        if layers % interval:
+            raise SystemExit(f"{model} keeps one full-attention layer in {interval}: --layers 4, 8...")
+        pattern = ["linear_attention"] * (interval - 1) + ["full_attention"]
+        fields["layer_types"] = pattern * (layers // interval)
+    return shape.config_class(**fields)
 
 
 def random_int4(n: int, k: int, generator: torch.Generator) -> Int4Linear:
@@ -126,18 +189,19 @@ def random_q4_k(rows: tuple[int, ...], cols: int, rng: np.random.Generator) -> n
 
 
 def write_gguf(config: transformers.PretrainedConfig, path: str, seed: int = 0) -> None:
-    """A qwen3moe GGUF of `config`'s shapes with random weights for llama.cpp: Q4_K matrices (the routers
-    F32), F32 norms, no tokenizer (token ids go in as they are)."""
+    """A GGUF of `config`'s shapes with random weights for llama.cpp (qwen3moe, or qwen35moe for the hybrid):
+    Q4_K matrices (routers and the shared expert's gate F32), F32 norms and linear-attention parameters, no
+    tokenizer (token ids go in as they are)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     hidden, experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    writer = gguf.GGUFWriter(path, "qwen3moe")
+    hybrid = hasattr(config, "linear_num_value_heads")
+    writer = gguf.GGUFWriter(path, "qwen35moe" if hybrid else "qwen3moe")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_expert_feed_forward_length(width)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
@@ -149,6 +213,19 @@ def write_gguf(config: transformers.PretrainedConfig, path: str, seed: int = 0) 
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("no_vocab")
+    if hybrid:
+        rotated = int(head_dim * config.rope_parameters["partial_rotary_factor"])
+        writer.add_rope_dimension_count(rotated)
+        writer.add_rope_dimension_sections([*config.rope_parameters["mrope_section"], 0])
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        writer.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
+        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(config.linear_key_head_dim)
+        writer.add_ssm_group_count(config.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+        writer.add_ssm_inner_size(config.linear_num_value_heads * config.linear_value_head_dim)
+    else:
+        writer.add_feed_forward_length(config.intermediate_size)
 
     def q4_k(name: str, *shape: int) -> None:
         blocks = random_q4_k(shape[:-1], shape[-1], rng)
@@ -157,22 +234,47 @@ def write_gguf(config: transformers.PretrainedConfig, path: str, seed: int = 0) 
     def f32(name: str, value: np.ndarray) -> None:
         writer.add_tensor(name, value.astype(np.float32))
 
+    def norm(name: str, size: int) -> None:
+        f32(name, 1 + 0.1 * rng.standard_normal(size))
+
     q4_k("token_embd.weight", config.vocab_size, hidden)
     q4_k("output.weight", config.vocab_size, hidden)
-    f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+    norm("output_norm.weight", hidden)
     for i in range(config.num_hidden_layers):
         block = f"blk.{i}"
-        norms = {"attn_norm": hidden, "ffn_norm": hidden, "attn_q_norm": head_dim, "attn_k_norm": head_dim}
-        for norm, size in norms.items():
-            f32(f"{block}.{norm}.weight", 1 + 0.1 * rng.standard_normal(size))
-        q4_k(f"{block}.attn_q.weight", heads * head_dim, hidden)
-        q4_k(f"{block}.attn_k.weight", kv_heads * head_dim, hidden)
-        q4_k(f"{block}.attn_v.weight", kv_heads * head_dim, hidden)
-        q4_k(f"{block}.attn_output.weight", hidden, heads * head_dim)
+        norm(f"{block}.attn_norm.weight", hidden)
+        norm(f"{block}.{'post_attention_norm' if hybrid else 'ffn_norm'}.weight", hidden)
+        if hybrid and config.layer_types[i] == "linear_attention":
+            key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+            value_heads = config.linear_num_value_heads
+            value_dim = value_heads * config.linear_value_head_dim
+            q4_k(f"{block}.attn_qkv.weight", 2 * key_dim + value_dim, hidden)
+            q4_k(f"{block}.attn_gate.weight", value_dim, hidden)
+            q4_k(f"{block}.ssm_beta.weight", value_heads, hidden)
+            q4_k(f"{block}.ssm_alpha.weight", value_heads, hidden)
+            f32(f"{block}.ssm_conv1d.weight", rng.standard_normal((2 * key_dim + value_dim, 4)) * 0.5)
+            f32(f"{block}.ssm_a", -np.exp(1 + 0.1 * rng.standard_normal(value_heads)))
+            f32(f"{block}.ssm_dt.bias", 1 + 0.1 * rng.standard_normal(value_heads))
+            norm(f"{block}.ssm_norm.weight", config.linear_value_head_dim)
+            q4_k(f"{block}.ssm_out.weight", hidden, value_dim)
+        else:
+            gated = 2 if hybrid else 1  # the hybrid's query rows carry its output gate's
+            q4_k(f"{block}.attn_q.weight", gated * heads * head_dim, hidden)
+            q4_k(f"{block}.attn_k.weight", kv_heads * head_dim, hidden)
+            q4_k(f"{block}.attn_v.weight", kv_heads * head_dim, hidden)
+            q4_k(f"{block}.attn_output.weight", hidden, heads * head_dim)
+            norm(f"{block}.attn_q_norm.weight", head_dim)
+            norm(f"{block}.attn_k_norm.weight", head_dim)
         f32(f"{block}.ffn_gate_inp.weight", rng.standard_normal((experts, hidden)) * hidden**-0.5)
         q4_k(f"{block}.ffn_gate_exps.weight", experts, width, hidden)
         q4_k(f"{block}.ffn_up_exps.weight", experts, width, hidden)
         q4_k(f"{block}.ffn_down_exps.weight", experts, hidden, width)
+        if hybrid:
+            shared = config.shared_expert_intermediate_size
+            f32(f"{block}.ffn_gate_inp_shexp.weight", rng.standard_normal((1, hidden)) * hidden**-0.5)
+            q4_k(f"{block}.ffn_gate_shexp.weight", shared, hidden)
+            q4_k(f"{block}.ffn_up_shexp.weight", shared, hidden)
+            q4_k(f"{block}.ffn_down_shexp.weight", hidden, shared)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
@@ -213,15 +315,20 @@ class Timer:
 
     def __init__(self, model: nn.Module, context: int, vocab: int):
         blocks = -(-(context + max(Q_VALUES)) // BLOCK)
-        self.runner = ModelRunner(model, blocks, BLOCK, torch.float32)
+        self.runner = ModelRunner(model, blocks, BLOCK, torch.float32, num_state_slots=1)
         self.table = list(range(blocks))
         self.context = context
+        self.state_slot = 0 if model.has_recurrent_state else None  # the hybrid's recurrent state
         g = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(0, vocab, (context + max(Q_VALUES),), generator=g).tolist()
-        self.runner.forward([PieceInput(self.tokens[:context], 0, self.table)], [context - 1])
+        prompt = PieceInput(self.tokens[:context], 0, self.table, state_slot=self.state_slot)
+        self.runner.forward([prompt], [context - 1])
 
     def seconds(self, q: int) -> float:
-        piece = PieceInput(self.tokens[self.context : self.context + q], self.context, self.table)
+        """One forward over q tokens; q > 1 is a verification block, which keeps what rolling the recurrent
+        state back needs (the state moves on every call: no figure depends on its values)."""
+        tokens = self.tokens[self.context : self.context + q]
+        piece = PieceInput(tokens, self.context, self.table, state_slot=self.state_slot, checkpoint=q > 1)
         start = time.perf_counter()
         self.runner.forward([piece], list(range(q)))
         return time.perf_counter() - start
@@ -239,7 +346,7 @@ def llama_cpp(config: transformers.PretrainedConfig, directory: str, timer: Time
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp skipped: llama-cpp-python is not installed (pip install 'specserve[bench]')")
         return None
-    started, path = time.perf_counter(), f"{directory}/qwen3moe-shaped.gguf"
+    started, path = time.perf_counter(), f"{directory}/shaped.gguf"
     write_gguf(config, path)
     llama = LlamaCpp(path, torch.get_num_threads(), n_ctx=timer.context + max(Q_VALUES) + 16)
     llama.prepare(timer.tokens[: timer.context])
@@ -252,7 +359,7 @@ def run(args: argparse.Namespace) -> dict:
     if kernels.ops() is None:
         raise SystemExit("specserve's kernels are not available here: nothing to group")
     started = time.perf_counter()
-    config = shaped_config(args.layers)
+    config = shaped_config(args.layers, args.model)
     model = build(config)
     stacks = [experts.stacks for experts in experts_of(model)]
     assert all(s is not None for s in stacks), "the experts were not stacked"
@@ -264,6 +371,8 @@ def run(args: argparse.Namespace) -> dict:
 
         def seconds(engine: str, q: int) -> float:
             if engine == "llama.cpp":
+                if timer.state_slot is not None:  # it cannot cut a recurrent state back: the context again
+                    llama.prepare(timer.tokens[: timer.context])
                 return llama.forward_seconds(timer.context, timer.tokens[timer.context : timer.context + q])
             use_mode(model, stacks, engine)
             return timer.seconds(q)
@@ -290,6 +399,7 @@ def run(args: argparse.Namespace) -> dict:
     read_bytes = {q: dense_bytes + routed_experts(model, timer, q) * per_expert for q in Q_VALUES}
     step_bytes = read_bytes[1]
     result = {
+        "model": args.model,
         "machine": platform.processor() or platform.machine(),
         "isa": kernels.isa_name(),
         "threads": torch.get_num_threads(),
@@ -330,6 +440,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(SHAPES), default="qwen3-30b-a3b", help="whose layer shapes")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--context", type=int, default=64, help="cached tokens before the q timed ones")
     parser.add_argument("--rounds", type=int, default=5)
