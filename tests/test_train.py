@@ -816,6 +816,65 @@ def test_resuming_a_run_without_its_drafter_files_is_refused(tiny_model_dir, tmp
         )
 
 
+def test_resuming_a_damaged_training_state_or_drafter_config_is_refused(tiny_model_dir, tmp_path, capsys):
+    """A cut, overwritten or edited training_state.pt, or a config.json that is JSON but not an object,
+    crashed with a traceback (torch.load's, a KeyError, an AttributeError); each is one line naming the file
+    and the way out, and leaves the run's files as they were."""
+    import os
+
+    from specserve.cli import main
+
+    model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    out = tmp_path / "d"
+    argv = ["train", "--model", model, "--cache", cache, "--output", str(out), "--steps", "1"]
+    assert main([*argv, "--num-anchors", "4", "--mask-token-id", str(VOCAB - 1)]) == 0
+    files = {f.name: f.read_bytes() for f in out.iterdir()}
+    state = torch.load(out / "training_state.pt", weights_only=True)
+    capsys.readouterr()
+    saved = {"step": 1, "optimizer": {}, "config": state["config"]}
+    unreadable = "is damaged: torch cannot read it"
+    not_a_state = "is damaged: not a dict of step, optimizer, config and vocab"
+    for name, damage, says in (
+        ("training_state.pt", files["training_state.pt"][:100], unreadable),  # cut short
+        ("training_state.pt", b"", unreadable),
+        ("training_state.pt", os.urandom(256), unreadable),
+        ("training_state.pt", [1, 2], not_a_state),
+        ("training_state.pt", {"step": 1}, not_a_state),
+        ("training_state.pt", {**state, "step": "1"}, not_a_state),
+        (
+            "training_state.pt",
+            {**saved, "config": {**state["config"], "momentum": 0.9}},
+            "is damaged: its config is not a training config (TrainConfig.__init__() got an unexpected "
+            "keyword argument 'momentum')",
+        ),
+        (
+            "training_state.pt",
+            {**saved, "config": {**state["config"], "total_steps": 0}},
+            "is damaged: its config is not a training config (steps must be >= 1, got 0)",
+        ),
+        (
+            "training_state.pt",
+            saved,  # read once the target has loaded: the optimizer's state is the drafter's
+            "is damaged: its optimizer state does not fit the drafter (",
+        ),
+        ("config.json", "[]", "is not a JSON object but []"),
+        ("config.json", '"x"', "is not a JSON object but 'x'"),
+        ("config.json", "null", "is not a JSON object but None"),
+        ("config.json", b"\xff\xfe", "is not valid JSON ('utf-8' codec can't decode byte 0xff"),
+    ):
+        if isinstance(damage, str):
+            (out / name).write_text(damage)
+        elif isinstance(damage, bytes):
+            (out / name).write_bytes(damage)
+        else:
+            torch.save(damage, out / name)
+        err = _refused(capsys, argv)
+        assert err.startswith(f"error: {out / name} {says}") and err.count("\n") == 1, (damage, err)
+        assert err.endswith("or remove training_state.pt to start anew there\n"), (damage, err)
+        (out / name).write_bytes(files[name])
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == files
+
+
 def test_target_cache_refuses_bad_lengths_and_layers(tmp_path, capsys):
     from tests.tiny_models import save_tiny_chat_model
 

@@ -27,12 +27,17 @@ from specserve.spec_decode.deepspec.config import (
 )
 from specserve.train.curves import plot_curves, read_curve
 from specserve.train.target_cache import TargetCache
-from specserve.train.trainer import STATE_FILE, Sample, TrainConfig, Trainer, append_metrics, truncate_metrics
+from specserve.train.trainer import (
+    CANNOT_RESUME,
+    STATE_FILE,
+    Sample,
+    TrainConfig,
+    Trainer,
+    append_metrics,
+    truncate_metrics,
+)
 
 CURVE_WINDOW = 50  # steps the plotted curves average over (at most a tenth of the run)
-_CANNOT_RESUME = (
-    f"so the run cannot resume: train into another --output, or remove {STATE_FILE} to start anew there"
-)
 
 
 # The drafter flags each method takes (`method` aside); any other one given is refused, not ignored.
@@ -90,8 +95,9 @@ class DrafterArgs:
         path = directory / "config.json"
         try:
             raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:  # a run cut short while writing it
-            raise SpecserveError(f"{path} is not valid JSON ({exc}), {_CANNOT_RESUME}") from None
+        except ValueError as exc:  # a run cut short while writing it (JSONDecodeError), or bytes not UTF-8
+            raise SpecserveError(f"{path} is not valid JSON ({exc}), {CANNOT_RESUME}") from None
+        check(isinstance(raw, dict), f"{path} is not a JSON object but {raw!r:.40}, {CANNOT_RESUME}")
         config = parse_drafter_config(raw, str(directory))
         if isinstance(config, Eagle3Config):
             return cls("eagle3", ttt_length=config.ttt_length)
@@ -191,7 +197,7 @@ def train_drafter(
         check(
             not missing,
             f"{output} holds a training state ({STATE_FILE}) but not the drafter's {' or '.join(missing)}, "
-            + _CANNOT_RESUME,
+            + CANNOT_RESUME,
         )
         saved = Trainer.saved_config(output)
         check_unchanged({name: getattr(train_config, name) for name in given}, asdict(saved), output)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import check
+from specserve.config import SpecserveError, check
 from specserve.spec_decode.deepspec.checkpoint import DraftModel, load_draft_checkpoint, save_draft_checkpoint
 from specserve.spec_decode.deepspec.eagle3 import Eagle3DraftModel
 from specserve.train.anchors import position_weights
@@ -31,6 +31,9 @@ from specserve.train.forward import dspark_training_forward
 from specserve.train.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, LossTerms, dspark_loss, eagle3_loss
 
 STATE_FILE = "training_state.pt"
+CANNOT_RESUME = (
+    f"so the run cannot resume: train into another --output, or remove {STATE_FILE} to start anew there"
+)
 
 
 @dataclass
@@ -221,17 +224,41 @@ class Trainer:
     @staticmethod
     def saved_config(directory: str | Path) -> TrainConfig:
         """The TrainConfig of the run saved in `directory` (its tensors memory-mapped, not read)."""
-        return TrainConfig(**torch.load(Path(directory) / STATE_FILE, weights_only=True, mmap=True)["config"])
+        return load_state(directory, mmap=True)["config"]
 
     @classmethod
     def resume(cls, directory: str | Path, target, target_config, samples: Sequence[Sample]) -> Trainer:
         directory = Path(directory)
-        state = torch.load(directory / STATE_FILE, weights_only=True)
+        state = load_state(directory)
         model = load_draft_checkpoint(str(directory), target, target_config)
-        trainer = cls(model, samples, TrainConfig(**state["config"]), state.get("vocab"))
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer = cls(model, samples, state["config"], state.get("vocab"))
+        try:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, TypeError, ValueError) as exc:  # an optimizer state of another drafter, or edited
+            raise _damaged(directory, f"its optimizer state does not fit the drafter ({exc})") from None
         trainer.step_index = state["step"]
         return trainer
+
+
+def _damaged(directory: str | Path, what: str) -> SpecserveError:
+    return SpecserveError(f"{Path(directory) / STATE_FILE} is damaged: {what}, {CANNOT_RESUME}")
+
+
+def load_state(directory: str | Path, mmap: bool = False) -> dict:
+    """The training state saved in `directory` (its tensors memory-mapped if `mmap`), its config a
+    TrainConfig. A damaged one (cut short, overwritten, edited) is refused naming the file: no traceback."""
+    try:
+        state = torch.load(Path(directory) / STATE_FILE, weights_only=True, mmap=mmap)
+    except Exception as exc:  # by the damage: RuntimeError, UnpicklingError, EOFError, KeyError... whose
+        # text (re-run with weights_only=False, save with the zip format) would mislead
+        raise _damaged(directory, f"torch cannot read it ({type(exc).__name__})") from None
+    kinds = {"step": int, "optimizer": dict, "config": dict, "vocab": (torch.Tensor, type(None))}
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), t) for k, t in kinds.items()):
+        raise _damaged(directory, "not a dict of step, optimizer, config and vocab")
+    try:
+        return {**state, "config": TrainConfig(**state["config"])}
+    except (TypeError, SpecserveError) as exc:  # a field unknown or missing, or a value out of range
+        raise _damaged(directory, f"its config is not a training config ({exc})") from None
 
 
 def truncate_metrics(path: str | Path, step: int) -> None:
