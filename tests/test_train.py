@@ -4,6 +4,7 @@ hand-checked tensors, and a few steps on a tiny target that lower the loss."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -716,8 +717,17 @@ def test_train_refuses_a_cache_of_another_target_before_loading(
 
     monkeypatch.setattr("specserve.train.run.load_model", load_model)
     base = ["train", "--output", str(tmp_path / "d"), "--steps", "1"]
+    # The cache names its target as the build was told it: the same directory written another way is it.
+    monkeypatch.chdir(Path(model).parent)
+    for same in (f"./{Path(model).name}", f"{model}/", f"{model}/../{Path(model).name}"):
+        with pytest.raises(AssertionError, match="the target loaded"):
+            _refused(capsys, [*base, "--model", same, "--cache", cache])
     for flags, says in (
         (["--model", other, "--cache", cache], f"it was built for {model!r}, not {other!r}"),
+        (
+            ["--model", f"./{Path(other).name}", "--cache", cache],  # a relative path to another directory
+            f"it was built for {model!r}, not './{Path(other).name}'",
+        ),
         (
             ["--model", model, "--cache", str(odd)],
             "hidden_size 32 != the target's 64; target_layer_ids [0, 5] past the target's 3 layers",

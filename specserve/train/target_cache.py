@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specserve.config import SpecserveError, check
+from specserve.models import local_models
 from specserve.train.trainer import Sample
 
 RECORD = struct.Struct("<QII5Q")  # 56 bytes
@@ -176,6 +177,15 @@ def write_target_cache(
         return writer.finish()
 
 
+def _target_key(model: str) -> str:
+    """A target as `TargetCache.check_target` compares it: an existing local path resolved (`./m` and
+    `/abs/m` are one target), a local model name or hub id as written."""
+    path = Path(model).expanduser()
+    if model in local_models.LOCAL_MODELS or not path.exists():
+        return model
+    return str(path.resolve())
+
+
 class TargetCache:
     """Random access to a written cache; samples come back as fp32 tensors."""
 
@@ -239,7 +249,7 @@ class TargetCache:
         and by the hidden size and layer count of the target's config (None: not known without a download)."""
         m, problems = self.manifest, []
         built_for = m.get("target_model_name_or_path")
-        if built_for != target_model:
+        if not isinstance(built_for, str) or _target_key(built_for) != _target_key(target_model):
             problems.append(f"it was built for {built_for!r}, not {target_model!r}")
         if text_config is not None:
             if m["hidden_size"] != text_config.hidden_size:
