@@ -89,6 +89,28 @@ def test_every_isa_path_equals_the_scalar_one_bitwise(shape):
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"path {isa}"
 
 
+@pytest.mark.parametrize("isa", [0, *ISAS])
+def test_updating_the_slots_in_place_equals_starting_from_a_copy(isa):
+    """state0 the pool itself, index the slots (the decode path: no copy of the states): bitwise the
+    outputs, deltas and states of the same pieces started from a copy, the other slots untouched."""
+    lengths, slots = [3, 1, 6], [4, 0, 2]
+    x = inputs(SHAPES[0], lengths, seed=7)
+    want = run(x, lengths, slots, isa=isa)
+    pool = x["pool"].clone()
+    pool[slots] = x["state0"]
+    out, deltas = torch.zeros_like(x["v"]), torch.zeros_like(x["v"])
+    index = torch.tensor(slots)
+    starts = [sum(lengths[:p]) for p in range(len(lengths))]
+    ops.delta_rule_recurrent(
+        pool, pool, index, index, starts, lengths,
+        x["q"], x["k"], x["v"], x["decay"], x["beta"], out, deltas, isa,
+    )  # fmt: skip
+    assert torch.equal(out, want[0]) and torch.equal(deltas, want[1])
+    assert torch.equal(pool[slots], want[2][slots])
+    untouched = [s for s in range(len(pool)) if s not in slots]
+    assert pool[untouched].isnan().all()
+
+
 @pytest.mark.parametrize("shape", SHAPES[:2])
 def test_a_token_is_the_same_whatever_else_is_computed(shape):
     lengths, slots = [8, 2, 6], [3, 1, 0]

@@ -196,8 +196,7 @@ def sliced(x: DeltaRuleInputs, rows: slice) -> DeltaRuleInputs:
 def run_core(rule, pieces, x: DeltaRuleInputs, pool: torch.Tensor, checkpoint: bool = False):
     """(out, updates) of one forward of the delta rule alone; pool is updated in place."""
     layout = RecurrentLayout.build(metadata(pieces, pool.device, checkpoint), kernel_size=4)
-    ssm0 = pool.index_select(0, layout.slots)
-    return rule.forward(x, ssm0, layout, pool, keep=checkpoint)
+    return rule.forward(x, layout, pool, keep=checkpoint)
 
 
 def fp64_reference(pieces, x: DeltaRuleInputs, pool: torch.Tensor):
@@ -286,7 +285,7 @@ def test_rollback_to_every_accepted_length(fla):
     verified = pool.to(fla.device, copy=True)
     layout = RecurrentLayout.build(metadata(PIECES, fla.device, checkpoint=True), kernel_size=4)
     ssm0 = verified.index_select(0, layout.slots)
-    _, updates = fla.rule.forward(to(x, fla.device), ssm0, layout, verified, keep=True)
+    _, updates = fla.rule.forward(to(x, fla.device), layout, verified, keep=True)
     kept = layout.checkpointed
     record = StateRecord(layout.slots[kept.pieces], kept.lengths, None, ssm0[kept.pieces], None, updates)
     a, b = (PIECES[i] for i in VERIFIED)

@@ -280,8 +280,7 @@ def chunked_delta_rule(
 
 
 def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index], index ascending; x itself when it is all of x's rows (a copy saved: 1 MiB a layer for
-    the states of a batch of pieces)."""
+    """x[index], index ascending; x itself when it is all of x's rows (a copy saved)."""
     return x if len(index) == len(x) else x[index]
 
 
@@ -311,11 +310,11 @@ class DeltaRule(Protocol):
     """The delta-rule core of a GatedDeltaNet layer: the part that has a backend per device."""
 
     def forward(
-        self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
+        self, x: DeltaRuleInputs, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
     ) -> tuple[torch.Tensor, Any]:
-        """Every piece from its state before the forward (ssm0 [P, heads, d_k, d_v]): returns the output
-        [N, heads, d_v] and, with `keep`, what `replay` needs of layout.checkpointed's tokens; writes
-        each piece's state after it to its slot of `pool` [slots, heads, d_k, d_v]."""
+        """Every piece from the state in its slot of `pool` [slots, heads, d_k, d_v], which it overwrites
+        with the state after the piece: returns the output [N, heads, d_v] and, with `keep`, what `replay`
+        needs of layout.checkpointed's tokens."""
         ...
 
     def replay(self, pool: torch.Tensor, record: StateRecord, keeps: dict[int, int]) -> None:
@@ -329,7 +328,7 @@ class TorchDeltaRule:
     updates (the module docstring says why)."""
 
     def forward(
-        self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
+        self, x: DeltaRuleInputs, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
     ) -> tuple[torch.Tensor, RankOneUpdates | None]:
         heads = x.v.shape[1]
         out, updates = x.v.new_empty(x.v.shape), None
@@ -337,32 +336,34 @@ class TorchDeltaRule:
         if layout.long is not None or (layout.short is not None and compiled is None):
             q, k = repeat_heads(x.q, heads), repeat_heads(x.k, heads)  # the compiled call reads key heads
         if layout.short is not None and compiled is not None:
-            updates = self._compiled_short(compiled, x, ssm0, layout, pool, out, keep)
+            updates = self._compiled_short(compiled, x, layout, pool, out, keep)
         elif layout.short is not None:
-            rows, valid, pieces = layout.short.rows, layout.short.valid, layout.short.pieces
+            rows, valid, slots = layout.short.rows, layout.short.valid, layout.slots[layout.short.pieces]
             s, o, deltas = recurrent_delta_rule(
-                rows_of(ssm0, pieces), q[rows], k[rows], x.v[rows], x.decay[rows], x.beta[rows], valid
+                pool[slots], q[rows], k[rows], x.v[rows], x.decay[rows], x.beta[rows], valid
             )
             out[rows[valid]] = o[valid]
-            pool.index_copy_(0, layout.slots[pieces], s)
+            pool.index_copy_(0, slots, s)
             if keep:
                 updates = self._updates(layout, k, x.decay, deltas)
         if layout.long is not None:
-            rows, valid, pieces = layout.long.rows, layout.long.valid, layout.long.pieces
+            rows, valid, slots = layout.long.rows, layout.long.valid, layout.slots[layout.long.pieces]
             ks, vs, gs, bs = _zero_past_end(valid, k[rows], x.v[rows], x.g[rows], x.beta[rows])
-            s, o = chunked_delta_rule(rows_of(ssm0, pieces), q[rows], ks, vs, gs, bs)
+            s, o = chunked_delta_rule(pool[slots], q[rows], ks, vs, gs, bs)
             out[rows[valid]] = o[valid]
-            pool.index_copy_(0, layout.slots[pieces], s)
+            pool.index_copy_(0, slots, s)
         return out, updates
 
     @staticmethod
-    def _compiled_short(compiled, x, ssm0, layout, pool, out, keep) -> RankOneUpdates | None:
+    def _compiled_short(compiled, x, layout, pool, out, keep) -> RankOneUpdates | None:
         """The short pieces in one call of the compiled recurrence (kernels/delta_rule.cpp), which reads
-        the key heads as they are; with `keep`, the checkpointed pieces' keys, decays and deltas."""
+        the key heads as they are and updates each piece's state in its slot, in place; with `keep`, the
+        checkpointed pieces' keys, decays and deltas."""
         short = layout.short
         deltas = torch.empty_like(out) if keep else None
+        slots = layout.slots[short.pieces]
         compiled.delta_rule_recurrent(
-            ssm0, pool, short.pieces, layout.slots[short.pieces], short.starts, short.lengths,
+            pool, pool, slots, slots, short.starts, short.lengths,
             x.q, x.k.contiguous(), x.v.contiguous(), x.decay, x.beta, out, deltas,
         )  # fmt: skip
         if not keep:
@@ -439,10 +440,11 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         mixed = self.in_proj_qkv(x)
-        # The pieces' states before this forward (private copies: the slots are rewritten below).
-        conv0, ssm0 = state.conv.index_select(0, layout.slots), state.ssm.index_select(0, layout.slots)
+        # The pieces' conv inputs before this forward (a private copy: the slots are rewritten below); the
+        # delta rule updates each piece's state in its slot, where a fresh piece starts from zeros.
+        conv0 = state.conv.index_select(0, layout.slots)
         if bool(layout.fresh.any()):
-            conv0[layout.fresh], ssm0[layout.fresh] = 0, 0
+            conv0[layout.fresh], state.ssm[layout.slots[layout.fresh]] = 0, 0
 
         buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
         buffer[layout.token_rows] = mixed
@@ -457,16 +459,16 @@ class GatedDeltaNet(nn.Module):
         g, decay, beta = self._gates(x)
 
         keep = layout.checkpointed is not None and checkpoints is not None
-        out, updates = self.delta_rule.forward(
-            DeltaRuleInputs(q, k, v, g, decay, beta), ssm0, layout, state.ssm, keep
-        )
+        kept = layout.checkpointed
+        ssm0 = state.ssm.index_select(0, layout.slots[kept.pieces]) if keep else None  # where rollbacks start
+        inputs = DeltaRuleInputs(q, k, v, g, decay, beta)
+        out, updates = self.delta_rule.forward(inputs, layout, state.ssm, keep)
         if keep:
-            kept = layout.checkpointed
             checkpoints.layers[self.layer_idx] = StateRecord(
                 slots=layout.slots[kept.pieces],
                 lengths=kept.lengths,
                 conv=conv0[kept.pieces],
-                ssm=ssm0[kept.pieces],
+                ssm=ssm0,
                 mixed=mixed[kept.rows],
                 updates=updates,
             )

@@ -60,23 +60,24 @@ class FlaDeltaRule:
         self.recurrent, self.chunked = fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
 
     def forward(
-        self, x: DeltaRuleInputs, ssm0: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
+        self, x: DeltaRuleInputs, layout: RecurrentLayout, pool: torch.Tensor, keep: bool
     ) -> tuple[torch.Tensor, TokenInputs | None]:
         out = x.v.new_empty(x.v.shape)
         if layout.short is not None:
-            self._run(self.recurrent, x, layout.short, ssm0, out, pool, layout.slots)
+            self._run(self.recurrent, x, layout.short, out, pool, layout.slots)
         if layout.long is not None:
             # The chunked kernel plans its chunks on the host: the host offsets spare it a device sync.
             chunked = partial(self.chunked, cu_seqlens_cpu=layout.long.cu_seqlens_host)
-            self._run(chunked, x, layout.long, ssm0, out, pool, layout.slots)
+            self._run(chunked, x, layout.long, out, pool, layout.slots)
         if not keep:
             return out, None
         rows = layout.checkpointed.flat
         return out, TokenInputs(k=x.k[rows], v=x.v[rows], g=x.g[rows], beta=x.beta[rows])
 
     @staticmethod
-    def _run(kernel, x: DeltaRuleInputs, pieces: PieceRows, ssm0, out, pool, slots) -> None:
+    def _run(kernel, x: DeltaRuleInputs, pieces: PieceRows, out, pool, slots) -> None:
         q, k, v, g, beta = (rows_of(t, pieces.flat)[None] for t in (x.q, x.k, x.v, x.g, x.beta))
+        slots = slots[pieces.pieces]
         o, states = kernel(
             q=q,
             k=k,
@@ -84,12 +85,12 @@ class FlaDeltaRule:
             g=g,
             beta=beta,
             scale=1.0,
-            initial_state=rows_of(ssm0, pieces.pieces),
+            initial_state=pool[slots],
             output_final_state=True,
             cu_seqlens=pieces.cu_seqlens,
         )
         out.index_copy_(0, pieces.flat, o[0])
-        pool.index_copy_(0, slots[pieces.pieces], states)
+        pool.index_copy_(0, slots, states)
 
     def replay(self, pool: torch.Tensor, record: StateRecord, keeps: dict[int, int]) -> None:
         device, u = pool.device, record.updates

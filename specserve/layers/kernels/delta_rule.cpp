@@ -175,7 +175,7 @@ void for_each_unit(int64_t pieces, int64_t heads, int64_t dv, int64_t tile, cons
 
 // Pieces g = 0..G-1 (rows starts[g] .. starts[g] + lengths[g] of the flat batch) from state0[index[g]]:
 // out[rows] = their outputs, deltas[rows] (if given) the tokens' deltas, pool[slots[g]] the state after
-// the piece. q, k [N, key heads, d_k] (value head h reads key head h / (heads / key heads)); v, out,
+// the piece (state0 may be pool, index slots: each piece then updates its slot in place). q, k [N, key heads, d_k] (value head h reads key head h / (heads / key heads)); v, out,
 // deltas [N, heads, d_v]; decay, beta [N, heads]; state0 [P, heads, d_k, d_v], pool [S, heads, d_k, d_v].
 void delta_rule_recurrent(const at::Tensor& state0, at::Tensor& pool, const at::Tensor& index,
                           const at::Tensor& slots, at::IntArrayRef starts, at::IntArrayRef lengths,
@@ -225,7 +225,9 @@ void delta_rule_recurrent(const at::Tensor& state0, at::Tensor& pool, const at::
   for_each_unit(pieces, heads, dv, tile, [&](int64_t g, int64_t h, int64_t c0, int64_t width) {
     const float* from = s0 + (src[g] * heads + h) * head_size;
     float* state = sp + (dst[g] * heads + h) * head_size;
-    for (int64_t i = 0; i < dk; ++i) std::memcpy(state + i * dv + c0, from + i * dv + c0, 4 * width);
+    if (from != state) {  // else updated in place: its own slot (each unit reads and writes its columns)
+      for (int64_t i = 0; i < dk; ++i) std::memcpy(state + i * dv + c0, from + i * dv + c0, 4 * width);
+    }
     std::vector<float> scratch(deltas_p ? 0 : lengths[g] * dv);  // deltas nobody keeps
     std::vector<Step> steps(lengths[g]);
     for (int64_t t = 0; t < lengths[g]; ++t) {
