@@ -5,6 +5,7 @@ the token decoded alone; a rolled-back state equals plain decoding's)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from specserve.config import SpecserveError
+from specserve.layers import kernels
 from specserve.layers.gated_deltanet import (
     RECURRENT_MAX_LEN,
     GatedDeltaNet,
@@ -272,6 +274,39 @@ def test_rollback_replays_bitwise(fam, compiled_kernels):
     long = layer_inputs(layer, [RECURRENT_MAX_LEN + 1], seed=9)[0]
     with pytest.raises(ValueError, match=f"at most {RECURRENT_MAX_LEN} tokens"):
         run_layer(layer, copy.deepcopy(base), [(0, 9, long)], StateCheckpoints([0]))
+
+
+def test_the_compiled_conv_is_the_torch_ops_conv_bitwise():
+    """Qwen3.6's conv width (8192 channels, kernel 4), short pieces of 1, 5 and 3 tokens from random states:
+    the compiled call's outputs and moved-on states are bitwise the buffer path's."""
+    if kernels.ops() is None:
+        pytest.skip("specserve's kernels are not built here")
+    config = transformers.Qwen3_5TextConfig(
+        hidden_size=64, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )  # fmt: skip
+    layer = GatedDeltaNet(config, 0)
+    gen = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        layer.conv1d.weight.normal_(generator=gen)
+    lengths, slots = [1, 5, 3], [2, 0, 3]
+    query_start = [0, 1, 6, 9]
+    positions = torch.cat([torch.arange(7, 7 + n) for n in lengths])
+    meta = ForwardMetadata.build(
+        query_start, [7 + n for n in lengths], [[0]] * 3, positions, block_size=4096,
+        state_slots=torch.tensor(slots),
+    )  # fmt: skip
+    layout = RecurrentLayout.build(meta, layer.kernel_size)
+    mixed = torch.randn(9, layer.conv_dim, generator=gen)
+    pool = torch.randn(4, layer.conv_dim, layer.kernel_size - 1, generator=gen)
+    compiled_pool, torch_pool = pool.clone(), pool.clone()
+    with torch.no_grad():
+        compiled = layer._conv(mixed, layout, compiled_pool)
+        by_ops = layer._conv(mixed, dataclasses.replace(layout, compiled=None), torch_pool)
+    assert torch.equal(compiled, by_ops)
+    assert torch.equal(compiled_pool, torch_pool) and torch.equal(compiled_pool[1], pool[1])
+    assert not torch.equal(compiled_pool[slots], pool[slots])
 
 
 def test_recurrence_is_batch_invariant_at_real_shapes():

@@ -440,46 +440,50 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         mixed = self.in_proj_qkv(x)
-        # The pieces' conv inputs before this forward (a private copy: the slots are rewritten below); the
-        # delta rule updates each piece's state in its slot, where a fresh piece starts from zeros.
-        conv0 = state.conv.index_select(0, layout.slots)
+        # Each piece's conv inputs and delta-rule state are updated in its slot; a fresh one starts at zero.
         if bool(layout.fresh.any()):
-            conv0[layout.fresh], state.ssm[layout.slots[layout.fresh]] = 0, 0
-
-        buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
-        buffer[layout.token_rows] = mixed
-        buffer[layout.state_rows.flatten()] = conv0.transpose(1, 2).reshape(-1, self.conv_dim)
-        state.conv[layout.slots] = buffer[layout.end_rows].transpose(1, 2)
-        q, k, v = self._conv(buffer, layout.token_rows).split(
-            [self.key_dim, self.key_dim, self.value_dim], -1
-        )
+            fresh = layout.slots[layout.fresh]
+            state.conv[fresh], state.ssm[fresh] = 0, 0
+        keep = layout.checkpointed is not None and checkpoints is not None
+        if keep:  # the states a rollback starts from, before this forward rewrites them
+            kept = layout.checkpointed
+            kept_slots = layout.slots[kept.pieces]
+            conv0, ssm0 = state.conv.index_select(0, kept_slots), state.ssm.index_select(0, kept_slots)
+        conv = self._conv(mixed, layout, state.conv)
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q = l2norm(q.reshape(n, self.num_k_heads, -1).float()) * self.head_k_dim**-0.5
         k = l2norm(k.reshape(n, self.num_k_heads, -1).float())
         v = v.reshape(n, self.num_v_heads, -1).float()
         g, decay, beta = self._gates(x)
 
-        keep = layout.checkpointed is not None and checkpoints is not None
-        kept = layout.checkpointed
-        ssm0 = state.ssm.index_select(0, layout.slots[kept.pieces]) if keep else None  # where rollbacks start
         inputs = DeltaRuleInputs(q, k, v, g, decay, beta)
         out, updates = self.delta_rule.forward(inputs, layout, state.ssm, keep)
         if keep:
             checkpoints.layers[self.layer_idx] = StateRecord(
-                slots=layout.slots[kept.pieces],
-                lengths=kept.lengths,
-                conv=conv0[kept.pieces],
-                ssm=ssm0,
-                mixed=mixed[kept.rows],
-                updates=updates,
+                kept_slots, kept.lengths, conv0, ssm0, mixed[kept.rows], updates
             )
 
         z = self.in_proj_z(x).view(n, self.num_v_heads, -1)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
 
-    def _conv(self, buffer: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv + activation of every token, a tap at a time (elementwise: exact per row)."""
+    def _conv(self, mixed: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + activation of every token over its piece's state then tokens, each
+        piece's state in `pool` moved on to its last K-1 inputs: in one compiled call where every piece is
+        short and fp32, else a tap at a time over a buffer of all the windows. Either way a product per tap
+        added in tap order (elementwise: exact per row, and the same bits)."""
         weight = self.conv1d.weight[:, 0].float()  # [conv_dim, K]
-        first = token_rows - (self.kernel_size - 1)
+        fp32 = mixed.dtype == pool.dtype == torch.float32
+        learning = torch.is_grad_enabled() and (mixed.requires_grad or weight.requires_grad)  # autograd's
+        if layout.compiled is not None and layout.long is None and fp32 and not learning:
+            acc, short, ops = torch.empty_like(mixed), layout.short, layout.compiled
+            ops.causal_conv_short(pool, layout.slots, short.starts, short.lengths, mixed, weight, acc)
+            return self.act(acc)
+        buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
+        buffer[layout.token_rows] = mixed
+        states = pool.index_select(0, layout.slots)
+        buffer[layout.state_rows.flatten()] = states.transpose(1, 2).reshape(-1, self.conv_dim)
+        pool[layout.slots] = buffer[layout.end_rows].transpose(1, 2)
+        first = layout.token_rows - (self.kernel_size - 1)
         acc = buffer[first].float() * weight[:, 0]
         for j in range(1, self.kernel_size):
             acc = acc + buffer[first + j].float() * weight[:, j]

@@ -1,8 +1,8 @@
 """The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp), the
 attention of decode and verification rows from the paged KV cache (attention.cpp), the row-wise steps
 between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations), Gated
-DeltaNet's recurrence for short pieces with its rollback (delta_rule.cpp), fp32 linears with few
-outputs (fp32_linear.cpp: MoE routers, per-head gates), and a mixture-of-experts layer's routing
+DeltaNet's recurrence and causal conv for short pieces, with the rollback (delta_rule.cpp), fp32 linears
+with few outputs (fp32_linear.cpp: MoE routers, per-head gates), and a mixture-of-experts layer's routing
 bookkeeping (moe.cpp).
 
 The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
@@ -25,6 +25,7 @@ The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 
     rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots), gated_activation(gate, up, act)
     delta_rule_recurrent(state0, pool, index, slots, starts, lengths, q, k, v, decay, beta, out, deltas, isa)
     delta_rule_replay(pool, slots, state0, k, decay, deltas, which, kept, isa)
+    causal_conv_short(pool, slots, starts, lengths, x, weight, out)
     fp32_linear(x, weight, bias=None, isa=-1)
     moe_dispatch(x, ids, num_experts) -> (rows, counts, slots), moe_combine(y, weights, ids, slots)
 """

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -291,6 +292,59 @@ void delta_rule_replay(at::Tensor& pool, const at::Tensor& slots, const at::Tens
   });
 }
 
+// The causal depthwise conv before the recurrence, for pieces all short: piece g's tokens are rows
+// starts[g] .. starts[g] + lengths[g] - 1 of x [N, C], its state pool[slots[g]] [C, W] the W = K - 1 inputs
+// before them. out[r, c] = the sum over taps j of window[t + j] * weight[c, j], where the window is the
+// state's W inputs then the piece's tokens: a product per tap, added in tap order, each rounded (no fused
+// multiply-add), as GatedDeltaNet._conv's torch ops do, so bitwise theirs (the activation is the
+// caller's). The slot then holds the window's last W inputs: the state is updated in place, with no copy
+// of it or buffer of the window in torch ops (those small ops cost more than the conv at decode).
+void causal_conv_short(at::Tensor& pool, const at::Tensor& slots, at::IntArrayRef starts,
+                       at::IntArrayRef lengths, const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  check_fp32(pool, "pool", 3);
+  check_fp32(x, "x", 2);
+  check_fp32(weight, "weight", 2);
+  check_fp32(out, "out", 2);
+  const int64_t n = x.size(0), channels = x.size(1), w = pool.size(2), taps = weight.size(1);
+  TORCH_CHECK(pool.size(1) == channels && weight.size(0) == channels && taps == w + 1,
+              "pool [slots, C, K-1], weight [C, K] for x [N, C]");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out: x's shape");
+  const int64_t pieces = slots.numel();
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == pieces && static_cast<int64_t>(lengths.size()) == pieces,
+              "slots, starts, lengths: one per piece");
+  const at::Tensor slots64 = slots.to(at::kLong).contiguous();
+  const int64_t* dst = slots64.data_ptr<int64_t>();
+  for (int64_t g = 0; g < pieces; ++g) {
+    TORCH_CHECK(0 <= dst[g] && dst[g] < pool.size(0), "piece ", g, ": slot out of range");
+    TORCH_CHECK(lengths[g] >= 1 && starts[g] >= 0 && starts[g] + lengths[g] <= n, "piece ", g,
+                ": rows out of range");
+  }
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = pool.data_ptr<float>(), *op = out.data_ptr<float>();
+  constexpr int64_t kChannels = 256;  // a unit of work: one piece, this many channels
+  const int64_t blocks = (channels + kChannels - 1) / kChannels;
+  at::parallel_for(0, pieces * blocks, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> window;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / blocks, c0 = u % blocks * kChannels, c1 = std::min(channels, c0 + kChannels);
+      const int64_t len = lengths[g];
+      window.resize(w + len);
+      for (int64_t c = c0; c < c1; ++c) {
+        float* state = sp + (dst[g] * channels + c) * w;
+        const float* tap = wp + c * taps;
+        std::memcpy(window.data(), state, 4 * w);
+        for (int64_t t = 0; t < len; ++t) window[w + t] = xp[(starts[g] + t) * channels + c];
+        for (int64_t t = 0; t < len; ++t) {
+          float acc = window[t] * tap[0];
+          for (int64_t j = 1; j < taps; ++j) acc = acc + window[t + j] * tap[j];
+          op[(starts[g] + t) * channels + c] = acc;
+        }
+        std::memcpy(state, window.data() + len, 4 * w);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
@@ -303,4 +357,8 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
       "delta_rule_replay(Tensor(a!) pool, Tensor slots, Tensor state0, Tensor k, Tensor decay, Tensor deltas, "
       "int[] which, int[] kept, int isa=-1) -> ()",
       &delta_rule_replay);
+  m.def(
+      "causal_conv_short(Tensor(a!) pool, Tensor slots, int[] starts, int[] lengths, Tensor x, Tensor weight, "
+      "Tensor(b!) out) -> ()",
+      &causal_conv_short);
 }
