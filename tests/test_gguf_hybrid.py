@@ -1,8 +1,10 @@
-"""GGUF files of the hybrid Qwen3.5 / Qwen3.6 targets (llama.cpp's `qwen35`, `qwen35moe`).
+"""GGUF files of the hybrid Qwen3.5 / Qwen3.6 and Qwen3-Next targets (llama.cpp's `qwen35`, `qwen35moe`,
+`qwen3next`).
 
 The files here are written from tiny transformers models the way llama.cpp's converter writes them (its
-tensor names from the gguf package's own name map; value heads tiled, A_log as -exp(A_log), norms as w + 1,
-the conv kernel squeezed, experts stacked, the multi-token-prediction layer as an appended `nextn` block).
+tensor names from the gguf package's own name map; A_log as -exp(A_log), norms as w + 1, the conv kernel
+squeezed, experts stacked; Qwen3.5's value heads tiled and its multi-token-prediction layer as an appended
+`nextn` block; Qwen3-Next's fused in_proj_qkvz split into attn_qkv and attn_gate, its in_proj_ba kept).
 Where llama.cpp is installed (`pip install -e '.[bench]'`) it runs those files and must agree with
 transformers, which pins the writer to llama.cpp's own reading of the format; specserve must then read
 them back into the checkpoint transformers started from."""
@@ -24,7 +26,8 @@ from specserve.models.loader import load_model, resolve_model
 from tests.test_loader import CHAT_TEMPLATE, _bytes_to_unicode
 from tests.tiny_models import build_reference
 
-ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+MTP_ARCHS = ("qwen3_5", "qwen3_5_moe")  # Qwen3-Next's converter drops the MTP layer
 
 
 @pytest.fixture
@@ -41,14 +44,30 @@ def _tiled(x: np.ndarray, axis: int, key_heads: int, per_key: int, head_dim: int
     return np.concatenate([head, np.swapaxes(grouped, axis, axis + 1).reshape(shape)], axis=axis)
 
 
+def _reference(arch: str, **overrides):
+    """The tiny model of `arch` that llama.cpp can run: its qwen3next routes every layer (no dense
+    `mlp_only_layers`, which the format cannot say)."""
+    return build_reference(arch, **({"mlp_only_layers": []} if arch == "qwen3_next" else {}), **overrides)
+
+
+def _split_qkvz(x: np.ndarray, key_heads: int, key_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-Next's in_proj_qkvz rows [per key head: q, k, v..., z...] -> ([all q, all k, all v], all z)."""
+    hidden = x.shape[-1]
+    groups = x.reshape(key_heads, -1, hidden)
+    value = (groups.shape[1] - 2 * key_dim) // 2
+    q, k, v, z = np.split(groups, np.cumsum([key_dim, key_dim, value]), axis=1)
+    return np.concatenate([t.reshape(-1, hidden) for t in (q, k, v)]), z.reshape(-1, hidden)
+
+
 def _llama_cpp_tensors(config, state: dict[str, np.ndarray]):
     """(HF name, llama.cpp's tensor) pairs: each tensor as the converter transforms it, unnamed yet."""
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     per_key, value_dim = value_heads // key_heads, config.linear_value_head_dim
     qk = 2 * key_heads * config.linear_key_head_dim
+    tile = per_key > 1 and config.model_type != "qwen3_next"  # Qwen3.5's converter only
 
     def tiled(x, axis=0, head_dim=value_dim, start=0):
-        return _tiled(x, axis, key_heads, per_key, head_dim, start) if per_key > 1 else x
+        return _tiled(x, axis, key_heads, per_key, head_dim, start) if tile else x
 
     experts: dict[str, list[np.ndarray]] = {}
     for name, x in state.items():
@@ -56,6 +75,11 @@ def _llama_cpp_tensors(config, state: dict[str, np.ndarray]):
             experts.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = x
             continue
         leaf = name.rpartition(".linear_attn.")[2]
+        if leaf == "in_proj_qkvz.weight":
+            qkv, z = _split_qkvz(x, key_heads, config.linear_key_head_dim)
+            yield name.replace("qkvz", "qkv"), qkv
+            yield name.replace("qkvz", "z"), z
+            continue
         if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             x = x + np.float32(1)
         if leaf == "in_proj_qkv.weight":
@@ -99,9 +123,9 @@ def write_like_llama_cpp(
     mtp: dict[str, torch.Tensor] | None = None,
     tokens: list[str] | None = None,
 ) -> None:
-    """`model` (a transformers Qwen3.5 / Qwen3.5-MoE) as llama.cpp's converter writes it: F32 tensors, or
-    the matrices in `quantized` blocks; `mtp` (the checkpoint's `mtp.*` tensors) as a last `nextn` block;
-    a byte-level BPE vocabulary of `tokens` (the last three control tokens), or none."""
+    """`model` (a transformers Qwen3.5 / Qwen3.5-MoE / Qwen3-Next) as llama.cpp's converter writes it: F32
+    tensors, or the matrices in `quantized` blocks; `mtp` (the checkpoint's `mtp.*` tensors) as a last
+    `nextn` block; a byte-level BPE vocabulary of `tokens` (the last three control tokens), or none."""
     config = model.config
     arch = ARCHS[config.model_type.removesuffix("_text")]
     layers = config.num_hidden_layers
@@ -119,16 +143,17 @@ def write_like_llama_cpp(
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
-    w.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    if "mrope_section" in rope:
+        w.add_rope_dimension_sections([*rope["mrope_section"], 0])
     w.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
     w.add_ssm_state_size(config.linear_key_head_dim)
     w.add_ssm_group_count(config.linear_num_key_heads)
     w.add_ssm_time_step_rank(config.linear_num_value_heads)
     w.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
     w.add_full_attention_interval(config.layer_types.index("full_attention") + 1)
-    if arch == "qwen35":
+    if arch != "qwen35moe":
         w.add_feed_forward_length(config.intermediate_size)
-    else:
+    if arch != "qwen35":
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -174,7 +199,7 @@ def write_like_llama_cpp(
 def test_llama_cpp_reads_the_written_file_as_transformers(arch, tmp_path):
     """The writer above writes llama.cpp's format: llama.cpp's logits on its file are transformers'."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    model = build_reference(arch)
+    model = _reference(arch)
     path = tmp_path / f"{arch}.gguf"
     write_like_llama_cpp(model, path)
     ids = [5, 17, 3, 42, 8, 99, 1, 64]
@@ -207,29 +232,63 @@ def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_the_conversion_is_the_checkpoint(arch, tmp_path, cache):
-    """Read back, the file is the model transformers started from: its config, every tensor (A_log through
-    log(-(-exp)), norms through (w + 1) - 1: within float32 rounding), its logits in transformers, and the
-    multi-token-prediction layer under its checkpoint names."""
+def _saved_reference(arch: str, directory):
+    """The tiny model saved as its checkpoint (with an MTP layer where the arch's GGUF keeps one), read back
+    by transformers, and the checkpoint's `mtp.*` tensors."""
     from transformers import AutoModelForCausalLM
 
-    from tests.tiny_models import save_tiny_model, save_tiny_mtp
+    from tests.tiny_models import save_tiny_mtp
 
-    target = save_tiny_mtp(save_tiny_model(arch, tmp_path / "hf"))
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
-    mtp = {k: v for k, v in _checkpoint(target).items() if k.startswith("mtp.")}
+    model = _reference(arch)
+    model.generation_config.eos_token_id = None  # random models hit eos by chance
+    model.save_pretrained(directory)
+    if arch in MTP_ARCHS:
+        save_tiny_mtp(directory)
+    mtp = {k: v for k, v in _checkpoint(directory).items() if k.startswith("mtp.")}
+    return AutoModelForCausalLM.from_pretrained(directory).eval(), mtp
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_conversion_is_the_checkpoint(arch, tmp_path, cache):
+    """Read back, the file is the checkpoint transformers started from: its config, every tensor under its
+    checkpoint name and in its checkpoint form (A_log through log(-(-exp)), norms through (w + 1) - 1: within
+    float32 rounding; Qwen3-Next's in_proj_qkvz rebuilt from attn_qkv and attn_gate, its experts one by one;
+    Qwen3.5-MoE's fused), its logits in transformers, and the multi-token-prediction layer where the file
+    has one."""
+    from transformers import AutoModelForCausalLM
+
+    model, mtp = _saved_reference(arch, tmp_path / "hf")
     path = tmp_path / f"{arch}.gguf"
     write_like_llama_cpp(model, path, mtp=mtp)
 
     converted = resolve_model(str(path), need_weights=True)
     config = AutoModelForCausalLM.from_pretrained(converted).config
-    fields = ("layer_types", "linear_num_value_heads", "linear_value_head_dim", "head_dim", "num_experts")
+    assert type(config) is type(model.config)
+    assert config.architectures == model.config.architectures
+    fields = (
+        "layer_types",
+        "linear_num_key_heads",
+        "linear_key_head_dim",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "head_dim",
+        "intermediate_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "mlp_only_layers",
+        "decoder_sparse_step",
+    )
     for field in fields:
         assert getattr(config, field, None) == getattr(model.config, field, None), field
     assert config.rope_parameters == {**model.config.rope_parameters, "rope_type": "default"}
-    assert config.mtp_num_hidden_layers == 1
-    expected = {**model.state_dict(), **_fused_experts(mtp)}
+    assert getattr(config, "mtp_num_hidden_layers", 0) == (1 if mtp else 0)
+    # the hubs' forms: Qwen3-Next's experts one by one (as saved here), Qwen3.5-MoE's fused (as in memory)
+    saved = {k: v for k, v in _checkpoint(tmp_path / "hf").items() if not k.startswith("mtp.")}
+    expected = {**(saved if arch == "qwen3_next" else model.state_dict()), **_fused_experts(mtp)}
     got = _checkpoint(converted)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
@@ -241,13 +300,18 @@ def test_the_conversion_is_the_checkpoint(arch, tmp_path, cache):
     torch.testing.assert_close(converted_logits, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(mode, tmp_path, cache):
-    """Q8_0 matrices, value heads tiled: rows put back move whole blocks (int8 keeps the file's codes), the
-    output projection's columns cross blocks and are requantized; every layer is the one quantizing the
-    fp32 conversion gives, and the engine generates from the file."""
+def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(arch, mode, tmp_path, cache):
+    """Q8_0 matrices: rows put in the model's order move whole blocks (int8 keeps the file's codes: Qwen3.5's
+    tiled value heads; Qwen3-Next's attn_qkv, attn_gate and the b and a rows of ssm_ba), Qwen3.5's output
+    projection's columns cross blocks and are requantized; every layer is the one quantizing the fp32
+    conversion (the checkpoint's form, split by the model) gives, and the engine generates from the file."""
     path = tmp_path / "q8.gguf"
-    write_like_llama_cpp(build_reference("qwen3_5_moe"), path, quantized=QT.Q8_0)
+    # Qwen3-Next's 32 value heads, halved: in_proj_b and in_proj_a quantized (the kernel packs 16 rows)
+    wide = {"linear_num_value_heads": 16} if arch == "qwen3_next" else {}
+    write_like_llama_cpp(_reference(arch, **wide), path, quantized=QT.Q8_0)
+    requantized = "out_proj" if arch == "qwen3_5_moe" else None
     model_dir = resolve_model(str(path))
     from_gguf, _, _ = load_model(str(model_dir), quantization=mode)
     dense, _, _ = load_model(str(model_dir))
@@ -259,19 +323,43 @@ def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(mode, tmp_pa
         if isinstance(module, Int8Linear | Int4Linear) and not name.endswith((".coarse", ".residual")):
             layer = layers[name]
             assert type(layer) is type(module), name
-            if mode == "int8" and not name.endswith("out_proj"):  # the file's codes, d rounded to bf16
+            if mode == "int8" and name.rpartition(".")[2] != requantized:  # the file's codes, d in bf16
                 value = fp32[name]
                 assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all(), name
             else:
                 assert torch.equal(layer.weight, module.weight), name
             checked.add(name.rpartition(".")[2])
     assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "down_proj"} <= checked
+    assert not wide or {"in_proj_b", "in_proj_a"} <= checked
     llm = LLM(str(path), quantization=mode, max_model_len=64, kv_cache_memory="16MiB")
     out = llm.generate([[1, 5, 9, 2]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def _transformers_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+
+
+def test_the_engine_serves_a_qwen3_next_file_as_transformers(tmp_path, cache):
+    """Greedy on a qwen3next file (through its fp32 conversion: in_proj_qkvz and in_proj_ba rebuilt, split
+    again by the model) is transformers' greedy on the model."""
+    model = _reference("qwen3_next")
+    model.generation_config.eos_token_id = None  # random models hit eos by chance
+    path = tmp_path / "qwen3_next.gguf"
+    write_like_llama_cpp(model, path)
+    prompts = [[5, 17, 3, 42], [8, 99, 1, 64, 12, 7]]
+    llm = LLM(str(path), max_model_len=64, kv_cache_memory="16MiB")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == _transformers_greedy(model, prompts, 10)
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHS)
 def test_the_engine_serves_the_file_and_drafts_with_its_mtp_layer(arch, tmp_path, cache):
     """Method 'mtp' drafts with the file's nextn block: read from the GGUF while no fp32 copy is written (a
     quantized load writes none), it is the checkpoint's mtp.*; greedy speculation equals plain greedy,
@@ -305,13 +393,7 @@ def test_the_engine_serves_the_file_and_drafts_with_its_mtp_layer(arch, tmp_path
     assert run("int8", speculative_config=spec) == run("int8")
     assert not list(converted.glob("*.safetensors"))  # read from the GGUF, not from an fp32 copy
 
-    with torch.no_grad():
-        expected = [
-            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, min_new_tokens=10)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
+    expected = _transformers_greedy(model, prompts, 10)
     assert run() == expected
     assert run(speculative_config=spec) == expected
 

@@ -53,7 +53,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +77,13 @@ CONVERTER_VERSION = 1
 MARKER_FILE = "specserve_conversion.json"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
-SUPPORTED_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
+SUPPORTED_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 # llama.cpp stores these architectures' RMSNorm weights as w + 1 (their checkpoints scale by 1 + w, its norm
-# by w); Qwen3.5's gated norm of the linear-attention output (`ssm_norm`) scales by w and is stored as it is.
-_PLUS_ONE_NORMS = ("gemma3", "qwen35", "qwen35moe")
-_HYBRID_ARCHS = ("qwen35", "qwen35moe")
+# by w); the gated norm of the linear-attention output (`ssm_norm`) scales by w and is stored as it is.
+_PLUS_ONE_NORMS = ("gemma3", "qwen3next", "qwen35", "qwen35moe")
+_HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+# Qwen3.5's converter (not Qwen3-Next's) stores the value heads tiled over the key heads (`VHeadOrder`).
+_V_HEADS_TILED = ("qwen35", "qwen35moe")
 
 # Control tokens llama.cpp also treats as end-of-generation (it matches them by text).
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
@@ -292,11 +294,12 @@ def build_hf_config(reader):
 
 
 def _qwen35_config(meta: _Meta, common: dict[str, Any], head_dim):
-    """Qwen3.5 / Qwen3.6 (dense and MoE). llama.cpp appends the multi-token-prediction layers to the blocks
-    (`nextn_predict_layers` of them, last), keeps one full-attention layer in `full_attention_interval`, and
-    stores the linear attention's shape under its `ssm.*` keys: the group count is the key heads, the
-    time-step rank the value heads, the state size the key head dim, the inner size all value dims."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    """Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next. llama.cpp appends the multi-token-prediction layers
+    to the blocks (`nextn_predict_layers` of them, last; Qwen3-Next's converter drops them), keeps one
+    full-attention layer in `full_attention_interval`, and stores the linear attention's shape under its
+    `ssm.*` keys: the group count is the key heads, the time-step rank the value heads, the state size the
+    key head dim, the inner size all value dims."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     mtp_layers = int(meta.arch_key("nextn_predict_layers") or 0)
     layers = common["num_hidden_layers"] - mtp_layers
@@ -325,13 +328,20 @@ def _qwen35_config(meta: _Meta, common: dict[str, Any], head_dim):
     }
     if meta.arch == "qwen35":
         return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **fields)
-    return Qwen3_5MoeTextConfig(
-        architectures=["Qwen3_5MoeForCausalLM"],
-        num_experts=int(meta.require("expert_count")),
-        num_experts_per_tok=int(meta.require("expert_used_count")),
-        moe_intermediate_size=int(meta.require("expert_feed_forward_length")),
-        shared_expert_intermediate_size=int(meta.require("expert_shared_feed_forward_length")),
-        **fields,
+    moe = {
+        "num_experts": int(meta.require("expert_count")),
+        "num_experts_per_tok": int(meta.require("expert_used_count")),
+        "moe_intermediate_size": int(meta.require("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(meta.require("expert_shared_feed_forward_length")),
+    }
+    if meta.arch == "qwen35moe":
+        return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **moe, **fields)
+    del fields[
+        "mtp_num_hidden_layers"
+    ]  # not a Qwen3-Next field: its checkpoints' MTP layer is not in the file
+    # llama.cpp's qwen3next routes every layer (no dense `mlp_only_layers`) and renormalises the top k.
+    return Qwen3NextConfig(
+        architectures=["Qwen3NextForCausalLM"], norm_topk_prob=True, mlp_only_layers=[], **moe, **fields
     )
 
 
@@ -365,6 +375,14 @@ _QWEN35 = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+_QWEN35_MOE = {
+    **_QWEN35,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 _LAYER_BY_ARCH = {
     "qwen2": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
     "qwen3": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
@@ -377,14 +395,8 @@ _LAYER_BY_ARCH = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "qwen35": _QWEN35,
-    "qwen35moe": {
-        **_QWEN35,
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-        "ffn_up_shexp": "mlp.shared_expert.up_proj",
-        "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    },
+    "qwen35moe": _QWEN35_MOE,
+    "qwen3next": _QWEN35_MOE,  # and `ssm_ba`, fused (`_qwen3_next_layouts`)
 }
 # Block tensors that are parameters of their own (no `.weight` of a module), by (name, kind) in the block.
 _PARAMETERS = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
@@ -425,7 +437,7 @@ class VHeadOrder:
 def _v_head_orders(meta: _Meta) -> dict[str, VHeadOrder]:
     """The reordered tensors of a Qwen3.5 linear-attention layer, by their name in the block."""
     key_heads, value_heads = meta.arch_key("ssm.group_count"), meta.arch_key("ssm.time_step_rank")
-    if meta.arch not in _HYBRID_ARCHS or key_heads == value_heads:
+    if meta.arch not in _V_HEADS_TILED or key_heads == value_heads:
         return {}
     key_heads, per_key = int(key_heads), int(value_heads) // int(key_heads)
     qk = 2 * key_heads * int(meta.require("ssm.state_size"))
@@ -444,6 +456,49 @@ def _v_head_orders(meta: _Meta) -> dict[str, VHeadOrder]:
     }
 
 
+# A fused checkpoint tensor's rows in order: row ranges (projection, start, stop) of the model's projections.
+Layout = list[tuple[str, int, int]]
+
+
+def _qwen3_next_layouts(meta: _Meta) -> dict[str, Layout]:
+    """Qwen3-Next's checkpoints fuse the linear attention's input projections per key-head group:
+    in_proj_qkvz [q, k, v..., z...] and in_proj_ba [b..., a...]. llama.cpp's converter splits the first
+    into attn_qkv (all q, all k, all v: the model's in_proj_qkv) and attn_gate (all z: in_proj_z) and keeps
+    the second (`ssm_ba`); no other architecture has any."""
+    if meta.arch != "qwen3next":
+        return {}
+    groups, dk = int(meta.require("ssm.group_count")), int(meta.require("ssm.state_size"))
+    per_group = int(meta.require("ssm.time_step_rank")) // groups
+    dv = int(meta.require("ssm.inner_size")) // groups
+    v = 2 * groups * dk
+    qkvz = [
+        part
+        for g in range(groups)
+        for part in (
+            ("in_proj_qkv", g * dk, (g + 1) * dk),
+            ("in_proj_qkv", (groups + g) * dk, (groups + g + 1) * dk),
+            ("in_proj_qkv", v + g * dv, v + (g + 1) * dv),
+            ("in_proj_z", g * dv, (g + 1) * dv),
+        )
+    ]
+    ba = [
+        (proj, g * per_group, (g + 1) * per_group)
+        for g in range(groups)
+        for proj in ("in_proj_b", "in_proj_a")
+    ]
+    return {"in_proj_qkvz": qkvz, "in_proj_ba": ba}
+
+
+def _rows_in(layout: Layout, proj: str) -> tuple[int, ...]:
+    """The rows of the fused tensor that hold `proj`, in `proj`'s order."""
+    out, at = [], 0
+    for name, start, stop in layout:
+        if name == proj:
+            out.extend(range(at, at + stop - start))
+        at += stop - start
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     """One HF checkpoint tensor and where it comes from in the GGUF."""
@@ -455,6 +510,21 @@ class PlannedTensor:
     offset: float = 0.0  # subtracted after dequantization (norms stored as w + 1)
     v_heads: VHeadOrder | None = None  # value heads stored tiled (Qwen3.5)
     negated_exp: bool = False  # stored as -exp(x) (Qwen3.5's A_log)
+    rows: tuple[int, ...] | None = None  # only these rows of the source (in the checkpoint's order)
+
+    def row_index(self, length: int) -> np.ndarray | None:
+        """For each row, its row in the stored source of `length` rows; None where they are the same. Whole
+        rows move, so quantized blocks follow exactly."""
+        index = self.v_heads.index(length) if self.v_heads is not None and self.v_heads.axis == 0 else None
+        if self.rows is not None:
+            index = np.asarray(self.rows) if index is None else index[list(self.rows)]
+        return index
+
+
+def _row_range(p: PlannedTensor, start: int, stop: int) -> PlannedTensor:
+    """Rows [start, stop) of a planned tensor, planned as a tensor of their own (a part of a fused one)."""
+    rows = (range(p.shape[0]) if p.rows is None else p.rows)[start:stop]
+    return replace(p, shape=(stop - start, *p.shape[1:]), rows=tuple(rows))
 
 
 def plan_tensors(reader) -> list[PlannedTensor]:
@@ -464,6 +534,7 @@ def plan_tensors(reader) -> list[PlannedTensor]:
     layer_map = _LAYER_BY_ARCH[arch]
     mtp_from = int(meta.require("block_count")) - int(meta.arch_key("nextn_predict_layers") or 0)
     v_heads = _v_head_orders(meta)
+    layouts = _qwen3_next_layouts(meta)
     plan: list[PlannedTensor] = []
 
     def unknown(name: str) -> SpecserveError:
@@ -483,6 +554,11 @@ def plan_tensors(reader) -> list[PlannedTensor]:
                     plan.append(PlannedTensor(name, shape[1:], idx, expert=e))
             elif leaf in _MTP and layer >= mtp_from:
                 plan.append(PlannedTensor(f"{_MTP[leaf]}.{kind}", shape, **planned))
+            elif leaf == "ssm_ba" and layouts:  # kept fused: the model's in_proj_b and in_proj_a are its rows
+                for proj in ("in_proj_b", "in_proj_a"):
+                    rows = _rows_in(layouts["in_proj_ba"], proj)
+                    name = f"{prefix}.linear_attn.{proj}.{kind}"
+                    plan.append(PlannedTensor(name, (len(rows), *shape[1:]), **planned, rows=rows))
             elif arch in _HYBRID_ARCHS and (param := _PARAMETERS.get((leaf, kind))):
                 plan.append(PlannedTensor(f"{prefix}.{param}", shape, **planned, negated_exp=leaf == "ssm_a"))
             elif leaf in layer_map and kind is not None:
@@ -500,8 +576,10 @@ def plan_tensors(reader) -> list[PlannedTensor]:
 
 def undo_conversion(p: PlannedTensor, arr: np.ndarray) -> np.ndarray:
     """The checkpoint's tensor from its dequantized GGUF form: what llama.cpp's converter did, undone."""
-    if p.v_heads is not None:
-        arr = np.take(arr, p.v_heads.index(arr.shape[p.v_heads.axis]), axis=p.v_heads.axis)
+    if (rows := p.row_index(arr.shape[0])) is not None:
+        arr = arr[rows]
+    if p.v_heads is not None and p.v_heads.axis == 1:
+        arr = np.take(arr, p.v_heads.index(arr.shape[1]), axis=1)
     if p.offset:
         arr = arr - np.float32(p.offset)
     if p.negated_exp:
@@ -511,7 +589,8 @@ def undo_conversion(p: PlannedTensor, arr: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CheckpointTensor:
-    """A tensor of the written checkpoint: one planned tensor, or several written one after another."""
+    """A tensor of the written checkpoint: one planned tensor, or several (or row ranges of them, planned as
+    tensors of their own: `_row_range`) written one after another."""
 
     name: str
     shape: tuple[int, ...]
@@ -525,11 +604,14 @@ class CheckpointTensor:
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def checkpoint_tensors(plan: list[PlannedTensor], arch: str) -> list[CheckpointTensor]:
+def checkpoint_tensors(plan: list[PlannedTensor], meta: _Meta) -> list[CheckpointTensor]:
     """The tensors the checkpoint holds, in plan order. Qwen3.5-MoE's hold each layer's routed experts as
     two: gate_up_proj [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and
-    down_proj [experts, hidden, width]; transformers reads no other form of them."""
-    if arch != "qwen35moe":
+    down_proj [experts, hidden, width]; transformers reads no other form of them. Qwen3-Next's hold its
+    fused projections (`_qwen3_next_layouts`)."""
+    if meta.arch == "qwen3next":
+        return _fused_projections(plan, _qwen3_next_layouts(meta))
+    if meta.arch != "qwen35moe":
         return [CheckpointTensor(p.hf_name, p.shape, (p,)) for p in plan]
     experts: dict[str, dict[str, list[PlannedTensor]]] = {}
     order: list[CheckpointTensor | str] = []
@@ -550,6 +632,28 @@ def checkpoint_tensors(plan: list[PlannedTensor], arch: str) -> list[CheckpointT
         pairs = tuple(p for e in range(n) for p in (gate[e], up[e]))
         out.append(CheckpointTensor(f"{item}.gate_up_proj", (n, 2 * width, hidden), pairs))
         out.append(CheckpointTensor(f"{item}.down_proj", (n, hidden, width), tuple(down)))
+    return out
+
+
+def _fused_projections(plan: list[PlannedTensor], layouts: dict[str, Layout]) -> list[CheckpointTensor]:
+    """Each fused linear-attention projection from row ranges of the planned ones (in the place of its first
+    part); the other planned tensors as they are."""
+    by_name = {p.hf_name: p for p in plan}
+    fused_at = {layout[0][0]: fused for fused, layout in layouts.items()}
+    fused_parts = {proj for layout in layouts.values() for proj, _, _ in layout}
+    out: list[CheckpointTensor] = []
+    for p in plan:
+        prefix, _, leaf = p.hf_name.rpartition("linear_attn.")
+        proj, _, kind = leaf.partition(".")
+        if proj not in fused_parts:
+            out.append(CheckpointTensor(p.hf_name, p.shape, (p,)))
+        elif fused := fused_at.get(proj):
+            parts = tuple(
+                _row_range(by_name[f"{prefix}linear_attn.{part}.{kind}"], start, stop)
+                for part, start, stop in layouts[fused]
+            )
+            shape = (sum(part.shape[0] for part in parts), *p.shape[1:])
+            out.append(CheckpointTensor(f"{prefix}linear_attn.{fused}.{kind}", shape, parts))
     return out
 
 
@@ -634,7 +738,7 @@ def write_weights(reader, plan: list[PlannedTensor], out_dir: Path, max_shard_by
     """fp32 safetensors (one file, or shards + model.safetensors.index.json as transformers writes them)."""
     from tqdm.auto import tqdm
 
-    tensors = checkpoint_tensors(plan, _Meta(reader).arch)
+    tensors = checkpoint_tensors(plan, _Meta(reader))
     shards = _shard(tensors, max_shard_bytes)
     total = sum(t.nbytes for t in tensors)
     arrays = (arr for _, arr in iter_converted(reader, [p for t in tensors for p in t.parts]))
@@ -862,10 +966,10 @@ def quantized_linear_from_gguf(
     maps onto the mode and no column moves, else dequantized and requantized a block of rows at a time."""
     kind = tensor.tensor_type.name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
+    if (rows := plan.row_index(raw.shape[0])) is not None:  # whole rows move: the blocks stay as they are
+        raw = raw[rows]
     columns = None
-    if plan.v_heads is not None and plan.v_heads.axis == 0:  # whole rows move: the blocks stay as they are
-        raw = raw[plan.v_heads.index(raw.shape[0])]
-    elif plan.v_heads is not None:  # columns move across blocks: requantized
+    if plan.v_heads is not None and plan.v_heads.axis == 1:  # columns move across blocks: requantized
         columns = plan.v_heads.index(plan.shape[1])
     if columns is None and mode == "int8" and kind == "Q8_0":
         return Int8Linear(*decode_q8_0(raw), bias, use_kernel)
