@@ -30,6 +30,11 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
   value heads are stored tiled over the key heads (`VHeadOrder`): rows of in_proj_qkv's v part, in_proj_z,
   in_proj_a/b, the conv's v channels, A_log and dt_bias; columns of out_proj. The multi-token-prediction
   layer is a last block (`nextn_predict_layers`), its own tensors under `nextn.`.
+- Qwen3-Next (`qwen3next`, llama.cpp's Qwen3NextModel; tests/test_gguf_hybrid.py too): as Qwen3.5 but no
+  value heads tiled and no MTP layer (dropped); its checkpoints' fused in_proj_qkvz (per key-head group q,
+  k, v..., z...) is stored as attn_qkv (all q, all k, all v) and attn_gate (all z), its in_proj_ba as it is
+  (`ssm_ba`). The plan holds the model's projections (ssm_ba's b and a rows as in_proj_b, in_proj_a); the
+  fp32 checkpoint fuses them again, as row ranges (`_qwen3_next_layouts`), for transformers.
 - Parsing a GGUF with `GGUFReader` costs 7-11 s here (it walks the 150k-260k token strings), so a
   conversion parses once; cached directories are found without opening the GGUF at all.
 
@@ -37,8 +42,8 @@ Quantized loading (`load_quantized`, used when the engine is asked for int8/int4
 weights from the GGUF itself rather than from the fp32 conversion: Q8_0 blocks become int8 (their codes
 and scales) and Q4_K blocks int4 (group 32, their own codes and two-level scales, exactly: the kernel's
 int4 format is Q4_K's) without an fp32 copy of the tensor; other types (Q4_0 among them) are dequantized
-in memory, one tensor at a time, and requantized. Rows put back in order move whole blocks (exact);
-columns put back (Qwen3.5's out_proj) cross them, so that weight is requantized.
+in memory, one tensor at a time, and requantized. Rows put back in order (or picked: Qwen3-Next's ssm_ba)
+move whole blocks (exact); columns put back (Qwen3.5's out_proj) cross them, so that weight is requantized.
 """
 
 from __future__ import annotations
