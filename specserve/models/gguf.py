@@ -341,9 +341,8 @@ def _qwen35_config(meta: _Meta, common: dict[str, Any], head_dim):
     }
     if meta.arch == "qwen35moe":
         return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **moe, **fields)
-    del fields[
-        "mtp_num_hidden_layers"
-    ]  # not a Qwen3-Next field: its checkpoints' MTP layer is not in the file
+    # not a Qwen3-Next field (its checkpoints' MTP layer is not in the file)
+    del fields["mtp_num_hidden_layers"]
     # llama.cpp's qwen3next routes every layer (no dense `mlp_only_layers`) and renormalises the top k.
     return Qwen3NextConfig(
         architectures=["Qwen3NextForCausalLM"], norm_topk_prob=True, mlp_only_layers=[], **moe, **fields
