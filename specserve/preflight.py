@@ -193,10 +193,11 @@ def _checkpoint_tensor_names(files: ModelFiles) -> list[str] | None:
     conversion's without its fp32 weights) are the checkpoint's names it converts to."""
     from specserve.models import gguf
     from specserve.models.gguf_header import GGUFHeader
+    from specserve.models.gguf_tensors import plan_tensors
 
     source = files.gguf_parts or (files.directory and gguf.unwritten_weights_source(files.directory))
     if source:
-        return [p.hf_name for p in gguf.plan_tensors(GGUFHeader(source))]
+        return [p.hf_name for p in plan_tensors(GGUFHeader(source))]
     if files.directory is None:
         return None
     index = files.directory / "model.safetensors.index.json"

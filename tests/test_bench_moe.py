@@ -53,6 +53,7 @@ def test_the_hybrid_gguf_is_llama_cpps_qwen35moe(tmp_path, few_experts):
     from gguf import GGUFReader
 
     from specserve.models import gguf as sgguf
+    from specserve.models.gguf_tensors import plan_tensors
 
     config = moe.shaped_config(4, "qwen3.6-35b-a3b")
     path = tmp_path / "shaped.gguf"
@@ -62,6 +63,6 @@ def test_the_hybrid_gguf_is_llama_cpps_qwen35moe(tmp_path, few_experts):
     for field in ("layer_types", "num_experts", "shared_expert_intermediate_size", "linear_num_value_heads"):
         assert getattr(read, field) == getattr(config, field), field
     assert read.rope_parameters["partial_rotary_factor"] == 0.25
-    names = {p.hf_name for p in sgguf.plan_tensors(reader)}
+    names = {p.hf_name for p in plan_tensors(reader)}
     assert "model.layers.3.self_attn.q_proj.weight" in names
     assert {"model.layers.0.linear_attn.A_log", "model.layers.0.mlp.shared_expert_gate.weight"} <= names

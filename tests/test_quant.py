@@ -35,6 +35,7 @@ from specserve.layers.quant import (
     quantize_model,
 )
 from specserve.models import gguf as sgguf
+from specserve.models import gguf_quantized, gguf_tensors
 from specserve.models.loader import load_model, resolve_model
 from tests import test_lossless
 from tests.paged_harness import PagedHarness
@@ -320,10 +321,10 @@ def test_block_decoding_equals_gguf_dequantization(qtype):
     raw = gguf_blocks(qtype, x, rng)
     expected = gguf.quants.dequantize(raw, qtype)
     if qtype == QT.Q8_0:
-        q, scales = sgguf.decode_q8_0(raw)
+        q, scales = gguf_quantized.decode_q8_0(raw)
         decoded = q.float().view(48, -1, 32) * scales[..., None]
     else:
-        weights = sgguf.decode_q4_k(raw)
+        weights = gguf_quantized.decode_q4_k(raw)
         assert weights.q.dtype == torch.uint8 and int(weights.q.max()) <= 15 and weights.group_size == 32
         decoded = weights.dequantize()
     np.testing.assert_array_equal(decoded.reshape(48, 512).numpy(), expected)
@@ -349,9 +350,9 @@ def test_int4_layer_from_q4_blocks(qtype, use_kernel, monkeypatch):
     rng = np.random.default_rng(1)
     raw = gguf_blocks(qtype, rng.standard_normal((64, 256)).astype(np.float32), rng)
     tensor = SimpleNamespace(tensor_type=qtype, data=raw)
-    plan = sgguf.PlannedTensor("w", (64, 256), 0)
+    plan = gguf_tensors.PlannedTensor("w", (64, 256), 0)
     monkeypatch.setenv(kernels.ENV_VAR, "0" if use_kernel else "1")
-    layer = sgguf.quantized_linear_from_gguf(tensor, plan, "int4", None)
+    layer = gguf_quantized.quantized_linear_from_gguf(tensor, plan, "int4", None)
     assert layer.on_kernel == use_kernel
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     assert_int4_from_blocks(layer, expected, qtype == QT.Q4_K)
@@ -391,7 +392,7 @@ def write_quantized_gguf(path) -> dict[str, tuple[QT, np.ndarray]]:
         raw = x if qtype == QT.F32 else gguf_blocks(qtype, x, rng)
         w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=None if qtype == QT.F32 else qtype)
         value = x if qtype == QT.F32 else gguf.quants.dequantize(raw, qtype).reshape(shape)
-        expected[f"model.layers.0.{sgguf._LAYER_COMMON[name]}.weight"] = (qtype, value)
+        expected[f"model.layers.0.{gguf_tensors._LAYER_COMMON[name]}.weight"] = (qtype, value)
     for name, size in (("attn_q", H), ("attn_k", kv), ("attn_v", kv)):
         w.add_tensor(f"blk.0.{name}.bias", (0.1 * rng.standard_normal(size)).astype(np.float32))
     for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):

@@ -7,7 +7,7 @@ Formats (w is the fp32 weight, [out N, in K]; activations stay fp32 outside the 
   inputs (64, 128, 256 also work), in two levels as GGUF's Q4_K (`Int4Weights`): s = d * s_g and m = dmin *
   m_g with 8-bit s_g, m_g per group and fp16 d, dmin per 8 groups: 4.625 bits a weight at G = 32. The grid
   of each group covers its weights (m rounded down, s up to those steps), q rounds to it: at most half a
-  step of error. GGUF Q4_K blocks keep their own codes and scales, exactly (models/gguf.py).
+  step of error. GGUF Q4_K blocks keep their own codes and scales, exactly (models/gguf_quantized.py).
 - int8: symmetric, w ~ q * s, q in [-127, 127], s = max|w| / 127 per group of 32: GGUF Q8_0's format, so
   Q8_0 blocks map in as they are. Weight error: at most half a step, max|w| / 254 per group.
 

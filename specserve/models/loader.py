@@ -274,12 +274,12 @@ def load_model(
 
     `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
     model converted from a GGUF file that is still present is then read from that file, its quantized
-    blocks mapped straight into our formats where they match (`models/gguf.py`); otherwise the fp32
+    blocks mapped straight into our formats where they match (`models/gguf_quantized.py`); otherwise the fp32
     weights are loaded and quantized in memory; either way the quantized form is cached and later loads map
     it (`models/prepare.py`). `shard` (tensor parallelism) builds and loads only that
     rank's part of the model (`models/sharding.py`); its quantized layers are quantized from the fp32
     weights of the shard."""
-    from specserve.models import gguf
+    from specserve.models import gguf, gguf_quantized
     from specserve.models.registry import build_model, model_class, text_config_of
 
     if quantization is not None:
@@ -313,7 +313,7 @@ def load_model(
         cache.load_into(net)
     elif source is not None:
         net.load_weights(
-            gguf.load_quantized(source, net, quantization, platform.quantized_layout), adopt=True
+            gguf_quantized.load_quantized(source, net, quantization, platform.quantized_layout), adopt=True
         )
     else:  # each tensor is read for this load: adopted, or copied (cast) into a `dtype` parameter
         net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
