@@ -62,7 +62,6 @@ class Shape:
     fields: dict
     layers: int
     vocab: int
-    gguf_arch: str  # llama.cpp's name for the architecture
 
 
 SHAPES = {
@@ -84,7 +83,6 @@ SHAPES = {
         ),
         layers=48,
         vocab=151936,
-        gguf_arch="qwen3moe",
     ),
     # hybrid: three Gated DeltaNet layers to one gated full-attention layer, a shared expert beside the routed
     "qwen3.6-35b-a3b": Shape(
@@ -115,7 +113,6 @@ SHAPES = {
         ),
         layers=40,
         vocab=248320,
-        gguf_arch="qwen35moe",
     ),
 }
 FULL_ATTENTION_INTERVAL = 4  # Qwen3.6's: every fourth layer is full attention
@@ -124,11 +121,16 @@ BLOCK = 16
 MODES = ("grouped", "loop")
 
 
+def is_hybrid(config_class: type) -> bool:
+    """Gated DeltaNet layers beside the full-attention ones (llama.cpp's qwen35moe, not qwen3moe)."""
+    return issubclass(config_class, transformers.Qwen3_5MoeTextConfig)
+
+
 def shaped_config(layers: int, model: str = "qwen3-30b-a3b") -> transformers.PretrainedConfig:
     shape = SHAPES[model]
     vocab = shape.vocab * layers // shape.layers // N_MULTIPLE * N_MULTIPLE
     fields = dict(shape.fields, num_hidden_layers=layers, vocab_size=vocab)
-    if shape.gguf_arch == "qwen35moe":
+    if is_hybrid(shape.config_class):
         interval = FULL_ATTENTION_INTERVAL
         if layers % interval:
             raise SystemExit(f"{model} keeps one full-attention layer in {interval}: --layers 4, 8...")
@@ -197,7 +199,7 @@ def write_gguf(config: transformers.PretrainedConfig, path: str, seed: int = 0) 
     rng = np.random.default_rng(seed)
     hidden, experts, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    hybrid = hasattr(config, "linear_num_value_heads")
+    hybrid = is_hybrid(type(config))
     writer = gguf.GGUFWriter(path, "qwen35moe" if hybrid else "qwen3moe")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)

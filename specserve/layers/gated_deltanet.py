@@ -476,7 +476,8 @@ class GatedDeltaNet(nn.Module):
         learning = torch.is_grad_enabled() and (mixed.requires_grad or weight.requires_grad)  # autograd's
         if layout.compiled is not None and layout.long is None and fp32 and not learning:
             acc, short, ops = torch.empty_like(mixed), layout.short, layout.compiled
-            ops.causal_conv_short(pool, layout.slots, short.starts, short.lengths, mixed, weight, acc)
+            x, w = mixed.contiguous(), weight.contiguous()  # (no copy for the layers' own outputs)
+            ops.causal_conv_short(pool, layout.slots, short.starts, short.lengths, x, w, acc)
             return self.act(acc)
         buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
         buffer[layout.token_rows] = mixed
