@@ -416,3 +416,22 @@ def test_the_tokenizer_comes_from_the_file(tmp_path, cache):
     out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert out[0].prompt_token_ids == tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n")
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_tokenizer_transformers_cannot_build_is_a_clear_error(tmp_path, cache, monkeypatch):
+    """transformers before 5.25 builds no tokenizer from a qwen35 GGUF (a ValueError): one clear line, and
+    no conversion left behind."""
+    import transformers
+
+    from specserve.config import SpecserveError
+
+    def too_old(*args, **kwargs):
+        raise ValueError("GGUF model with architecture qwen35 is not supported yet.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", too_old)
+    tokens = _bytes_to_unicode() + ["Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    path = tmp_path / "chat.gguf"
+    write_like_llama_cpp(build_reference("qwen3_5", vocab_size=len(tokens)), path, tokens=tokens)
+    with pytest.raises(SpecserveError, match=r"chat.gguf: transformers .* cannot build its tokenizer .*-U"):
+        resolve_model(str(path), need_weights=False)
+    assert not any(p.name.startswith("chat") for p in (cache / "converted").iterdir())

@@ -359,10 +359,16 @@ def write_tokenizer(gguf_path: Path, meta: Meta, out_dir: Path, say: Callable[[s
     whether the file has one."""
     if meta.get("tokenizer.ggml.model") in (None, "no_vocab"):  # llama.cpp's models without a vocabulary
         return False
-    from transformers import AutoTokenizer
+    import transformers
 
     say("building the tokenizer from the GGUF (slow, once)")
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as exc:  # an older transformers knows no tokenizer of the architecture (qwen35 < 5.25)
+        raise SpecserveError(
+            f"{gguf_path.name}: transformers {transformers.__version__} cannot build its tokenizer ({exc}); "
+            "a newer one can: pip install -U transformers"
+        ) from None
     template = meta.get("tokenizer.chat_template")
     if template:
         tok.chat_template = template  # keep the GGUF's template verbatim
