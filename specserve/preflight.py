@@ -175,6 +175,8 @@ def _check_draft_model(
 
 
 def _check_mtp(target_files: ModelFiles, hybrid: bool, model: str) -> None:
+    from specserve.models.qwen3_next import no_mtp_layer
+
     if not hybrid:
         raise SpecserveError(
             "method 'mtp' drafts with the multi-token-prediction layer of a Qwen3-Next / Qwen3.5 checkpoint; "
@@ -182,10 +184,7 @@ def _check_mtp(target_files: ModelFiles, hybrid: bool, model: str) -> None:
         )
     names = _checkpoint_tensor_names(target_files)
     if names is not None and not any(name.startswith("mtp.") for name in names):
-        raise SpecserveError(
-            f"{model}: the checkpoint has no mtp.* tensors (a GGUF converted without its MTP layer has "
-            "none); method 'mtp' needs a checkpoint or GGUF that carries it"
-        )
+        raise SpecserveError(no_mtp_layer(model))
 
 
 def _checkpoint_tensor_names(files: ModelFiles) -> list[str] | None:

@@ -175,6 +175,14 @@ class HybridQwenForCausalLM(QwenForCausalLM):
             logger.info("ignored %d vision-tower tensors: specserve serves the text model", vision)
 
 
+def no_mtp_layer(model: str) -> str:
+    """The refusal of method 'mtp' for a hybrid checkpoint without `mtp.*` tensors."""
+    return (
+        f"{model}: the checkpoint has no mtp.* tensors (a GGUF converted without its MTP layer has none); "
+        "method 'mtp' needs a checkpoint or GGUF that carries it"
+    )
+
+
 class MultiTokenPredictor(CausalLM):
     """The multi-token-prediction layer a Qwen3-Next / Qwen3.5 checkpoint ships (`mtp.*`). Row t: the
     embedding of token t+1 and the target's final hidden state at t, each normed, concatenated (embedding

@@ -15,7 +15,7 @@ from torch import nn
 
 from specserve.config import SpecserveError, SpeculativeConfig
 from specserve.models.prepare import prepare_model
-from specserve.models.qwen3_next import HybridQwenForCausalLM, MultiTokenPredictor
+from specserve.models.qwen3_next import HybridQwenForCausalLM, MultiTokenPredictor, no_mtp_layer
 from specserve.models.weight_files import iter_checkpoint_tensors
 from specserve.spec_decode.context import TargetContext
 from specserve.spec_decode.deepspec.dspark import PagedDraftBatch
@@ -61,10 +61,7 @@ class MTPDrafter(Eagle3Drafter):
             )
         weights = list(iter_checkpoint_tensors(target.model_dir, prefix="mtp."))
         if not weights:
-            raise SpecserveError(
-                f"{target.model_name}: the checkpoint has no mtp.* tensors (a GGUF converted without its "
-                "MTP layer has none); method 'mtp' needs a checkpoint or GGUF that carries it"
-            )
+            raise SpecserveError(no_mtp_layer(target.model_name))
         predictor = MultiTokenPredictor(target.model_config)
         predictor.load_weights(weights)
         predictor.to(target.torch_dtype).eval()
