@@ -35,6 +35,13 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def specserve_cache(tmp_path, monkeypatch):
+    """A cache directory of the test's own (conversions of GGUF files go there)."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 @pytest.fixture(params=["compiled", "fallback"])
 def compiled_kernels(request, monkeypatch) -> bool:
     """Run the test with specserve's compiled kernels, then without them (SPECSERVE_NO_KERNELS=1, read

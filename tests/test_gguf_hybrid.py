@@ -24,17 +24,19 @@ from specserve import LLM, SamplingParams
 from specserve.layers.linear import PackedLinear
 from specserve.layers.quant import Int4Linear, Int8Linear, quantize_model
 from specserve.models.loader import load_model, resolve_model
+from tests.gguf_files import (
+    PROMPT,
+    add_tensor,
+    assert_llama_cpp_reads_as,
+    checkpoint,
+    finish,
+    transformers_greedy,
+)
 from tests.test_loader import CHAT_TEMPLATE, _bytes_to_unicode
 from tests.tiny_models import build_reference
 
 ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 MTP_ARCHS = ("qwen3_5", "qwen3_5_moe")  # Qwen3-Next's converter drops the MTP layer
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def _tiled(x: np.ndarray, axis: int, key_heads: int, per_key: int, head_dim: int, start: int = 0):
@@ -184,38 +186,18 @@ def write_like_llama_cpp(
         if not name.startswith("blk."):  # the name map's, as the converter looks it up
             base, _, kind = name.rpartition(".")
             name = names.get_name(name) if kind == "A_log" else f"{names.get_name(base)}.{kind}"
-        x = np.ascontiguousarray(x, dtype=np.float32)
         matrix = x.ndim >= 2 and "norm" not in name and "conv1d" not in name
-        if quantized is not None and matrix and x.shape[-1] % gguf.GGML_QUANT_SIZES[quantized][0] == 0:
-            w.add_tensor(name, gguf.quants.quantize(x, quantized), raw_dtype=quantized)
-        else:
-            w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_tensor(w, name, x, quantized, matrix)
+    finish(w)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_reads_the_written_file_as_transformers(arch, tmp_path):
     """The writer above writes llama.cpp's format: llama.cpp's logits on its file are transformers'."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     model = _reference(arch)
     path = tmp_path / f"{arch}.gguf"
     write_like_llama_cpp(model, path)
-    ids = [5, 17, 3, 42, 8, 99, 1, 64]
-    with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0].numpy()
-    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(ids)
-    got = np.asarray(llm.scores[: len(ids)])
-    np.testing.assert_allclose(got, expected, atol=2e-3 * np.abs(expected).max())
-
-
-def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert_llama_cpp_reads_as(model, path)
 
 
 def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -245,12 +227,12 @@ def _saved_reference(arch: str, directory):
     model.save_pretrained(directory)
     if arch in MTP_ARCHS:
         save_tiny_mtp(directory)
-    mtp = {k: v for k, v in _checkpoint(directory).items() if k.startswith("mtp.")}
+    mtp = {k: v for k, v in checkpoint(directory).items() if k.startswith("mtp.")}
     return AutoModelForCausalLM.from_pretrained(directory).eval(), mtp
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_conversion_is_the_checkpoint(arch, tmp_path, cache):
+def test_the_conversion_is_the_checkpoint(arch, tmp_path, specserve_cache):
     """Read back, the file is the checkpoint transformers started from: its config, every tensor under its
     checkpoint name and in its checkpoint form (A_log through log(-(-exp)), norms through (w + 1) - 1: within
     float32 rounding; Qwen3-Next's in_proj_qkvz rebuilt from attn_qkv and attn_gate, its experts one by one;
@@ -288,13 +270,13 @@ def test_the_conversion_is_the_checkpoint(arch, tmp_path, cache):
     assert config.rope_parameters == {**model.config.rope_parameters, "rope_type": "default"}
     assert getattr(config, "mtp_num_hidden_layers", 0) == (1 if mtp else 0)
     # the hubs' forms: Qwen3-Next's experts one by one (as saved here), Qwen3.5-MoE's fused (as in memory)
-    saved = {k: v for k, v in _checkpoint(tmp_path / "hf").items() if not k.startswith("mtp.")}
+    saved = {k: v for k, v in checkpoint(tmp_path / "hf").items() if not k.startswith("mtp.")}
     expected = {**(saved if arch == "qwen3_next" else model.state_dict()), **_fused_experts(mtp)}
-    got = _checkpoint(converted)
+    got = checkpoint(converted)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value.float(), rtol=1e-6, atol=1e-6, msg=name)
-    ids = torch.tensor([[5, 17, 3, 42, 8, 99, 1, 64]])
+    ids = torch.tensor([PROMPT])
     with torch.no_grad():
         reference = model(ids).logits
         converted_logits = AutoModelForCausalLM.from_pretrained(converted).eval()(ids).logits
@@ -303,7 +285,7 @@ def test_the_conversion_is_the_checkpoint(arch, tmp_path, cache):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(arch, mode, tmp_path, cache):
+def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(arch, mode, tmp_path, specserve_cache):
     """Q8_0 matrices: rows put in the model's order move whole blocks (int8 keeps the file's codes: Qwen3.5's
     tiled value heads; Qwen3-Next's attn_qkv, attn_gate and the b and a rows of ssm_ba), Qwen3.5's output
     projection's columns cross blocks and are requantized; every layer is the one quantizing the fp32
@@ -338,17 +320,7 @@ def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(arch, mode, 
     assert len(out[0].outputs[0].token_ids) == 6
 
 
-def _transformers_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
-
-
-def test_the_engine_serves_a_qwen3_next_file_as_transformers(tmp_path, cache):
+def test_the_engine_serves_a_qwen3_next_file_as_transformers(tmp_path, specserve_cache):
     """Greedy on a qwen3next file (through its fp32 conversion: in_proj_qkvz and in_proj_ba rebuilt, split
     again by the model) is transformers' greedy on the model."""
     model = _reference("qwen3_next")
@@ -358,11 +330,11 @@ def test_the_engine_serves_a_qwen3_next_file_as_transformers(tmp_path, cache):
     prompts = [[5, 17, 3, 42], [8, 99, 1, 64, 12, 7]]
     llm = LLM(str(path), max_model_len=64, kv_cache_memory="16MiB")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == _transformers_greedy(model, prompts, 10)
+    assert [o.outputs[0].token_ids for o in outs] == transformers_greedy(model, prompts, 10)
 
 
 @pytest.mark.parametrize("arch", MTP_ARCHS)
-def test_the_engine_serves_the_file_and_drafts_with_its_mtp_layer(arch, tmp_path, cache):
+def test_the_engine_serves_the_file_and_drafts_with_its_mtp_layer(arch, tmp_path, specserve_cache):
     """Method 'mtp' drafts with the file's nextn block: read from the GGUF while no fp32 copy is written (a
     quantized load writes none), it is the checkpoint's mtp.*; greedy speculation equals plain greedy,
     quantized and in fp32, and plain greedy on the file is transformers' on the model."""
@@ -373,7 +345,7 @@ def test_the_engine_serves_the_file_and_drafts_with_its_mtp_layer(arch, tmp_path
 
     target = save_tiny_mtp(save_tiny_model(arch, tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(target).eval()
-    mtp = {k: v for k, v in _checkpoint(target).items() if k.startswith("mtp.")}
+    mtp = {k: v for k, v in checkpoint(target).items() if k.startswith("mtp.")}
     path = tmp_path / f"{arch}.gguf"
     write_like_llama_cpp(model, path, mtp=mtp)
     prompts = [[5, 17, 3, 42], [8, 99, 1, 64, 12, 7]]
@@ -395,12 +367,12 @@ def test_the_engine_serves_the_file_and_drafts_with_its_mtp_layer(arch, tmp_path
     assert run("int8", speculative_config=spec) == run("int8")
     assert not list(converted.glob("*.safetensors"))  # read from the GGUF, not from an fp32 copy
 
-    expected = _transformers_greedy(model, prompts, 10)
+    expected = transformers_greedy(model, prompts, 10)
     assert run() == expected
     assert run(speculative_config=spec) == expected
 
 
-def test_the_tokenizer_comes_from_the_file(tmp_path, cache):
+def test_the_tokenizer_comes_from_the_file(tmp_path, specserve_cache):
     """transformers builds no model from a qwen35 GGUF, but its tokenizer from the token lists (Qwen3.5's
     pre-tokenizer, named by `tokenizer.ggml.pre`): the conversion keeps it, with the chat template, and the
     engine answers text and chat."""
@@ -418,7 +390,7 @@ def test_the_tokenizer_comes_from_the_file(tmp_path, cache):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_a_tokenizer_transformers_cannot_build_is_a_clear_error(tmp_path, cache, monkeypatch):
+def test_a_tokenizer_transformers_cannot_build_is_a_clear_error(tmp_path, specserve_cache, monkeypatch):
     """transformers before 5.25 builds no tokenizer from a qwen35 GGUF (a ValueError): one clear line, and
     no conversion left behind."""
     import transformers
@@ -434,4 +406,4 @@ def test_a_tokenizer_transformers_cannot_build_is_a_clear_error(tmp_path, cache,
     write_like_llama_cpp(build_reference("qwen3_5", vocab_size=len(tokens)), path, tokens=tokens)
     with pytest.raises(SpecserveError, match=r"chat.gguf: transformers .* cannot build its tokenizer .*-U"):
         resolve_model(str(path), need_weights=False)
-    assert not any(p.name.startswith("chat") for p in (cache / "converted").iterdir())
+    assert not any(p.name.startswith("chat") for p in (specserve_cache / "converted").iterdir())

@@ -446,7 +446,7 @@ def test_unsupported_gguf_architecture(tmp_path, cache):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(SpecserveError, match="'llama' is not supported; supported: gemma3, qwen2"):
+    with pytest.raises(SpecserveError, match="'llama' is not supported; supported: gemma3, gemma4, qwen2"):
         resolve_model(str(src))
     assert not any((cache / "converted").glob("*/config.json"))
 

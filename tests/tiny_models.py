@@ -117,11 +117,15 @@ def build_reference(arch: str, seed: int = 0, **overrides):
     config = _configs()[arch] if arch in ARCHS else _hybrid_configs()[arch]
     if overrides:
         config = type(config).from_dict({**config.to_dict(), **overrides})
-    model = _model_class(arch)(config).eval()
+    return randomized(_model_class(arch)(config))
+
+
+def randomized(model):
+    """`model` with all parameters randomised (norm weights included), in eval mode."""
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2 if p.dim() == 1 else 0.08)
-    return model
+    return model.eval()
 
 
 def save_tiny_model(arch: str, directory: Path) -> Path:

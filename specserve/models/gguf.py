@@ -47,10 +47,21 @@ CONVERTER_VERSION = 1
 MARKER_FILE = "specserve_conversion.json"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
-SUPPORTED_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
+SUPPORTED_ARCHS = ("gemma3", "gemma4", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 
-# Control tokens llama.cpp also treats as end-of-generation (it matches them by text).
-_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+# Tokens llama.cpp also treats as end-of-generation (it matches them by text): Gemma 4's end of turn, and its
+# tool call's end (the tool answers next), which the converter marks user-defined rather than control.
+_EOG_TEXTS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<turn|>",
+    "<|tool_response>",
+)
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type
 
 
 def converted_dir(key: str) -> Path:
@@ -141,7 +152,7 @@ def eos_token_ids(meta: Meta) -> list[int]:
     if tokens_field is not None and types_field is not None:
         types = types_field.contents()
         for i, t in enumerate(types):
-            if t == 3 and tokens_field.contents(i) in _EOG_TEXTS and i not in out:  # 3 = CONTROL
+            if t in (_CONTROL, _USER_DEFINED) and tokens_field.contents(i) in _EOG_TEXTS and i not in out:
                 out.append(i)
     return out
 
@@ -162,14 +173,14 @@ def build_hf_config(reader):
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
     names = {t.name for t in reader.tensors}
+    layers = int(meta.require("block_count"))
+    heads = int(meta.require("attention.head_count"))
     common: dict[str, Any] = {
         "vocab_size": _vocab_size(reader),
         "hidden_size": int(meta.require("embedding_length")),
-        "num_hidden_layers": int(meta.require("block_count")),
-        "num_attention_heads": int(meta.require("attention.head_count")),
-        "num_key_value_heads": int(
-            meta.arch_key("attention.head_count_kv") or meta.require("attention.head_count")
-        ),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _layer_values(meta, "attention.head_count_kv", layers, heads)[0],
         "max_position_embeddings": int(meta.require("context_length")),
         "rms_norm_eps": _f32(meta.require("attention.layer_norm_rms_epsilon")),
         # llama.cpp writes the output projection only when it is not the embedding matrix.
@@ -178,7 +189,7 @@ def build_hf_config(reader):
         **_special_ids(meta),
     }
     if meta.arch_key("feed_forward_length") is not None:
-        common["intermediate_size"] = int(meta.arch_key("feed_forward_length"))
+        common["intermediate_size"] = _layer_values(meta, "feed_forward_length", layers)[0]
     head_dim = meta.arch_key("attention.key_length")
 
     if arch == "qwen2":
@@ -212,6 +223,8 @@ def build_hf_config(reader):
         )
     if arch in HYBRID_ARCHS:
         return _qwen35_config(meta, common, head_dim)
+    if arch == "gemma4":
+        return _gemma4_config(meta, common, reader)
     # gemma3
     from transformers import Gemma3TextConfig
 
@@ -233,6 +246,130 @@ def build_hf_config(reader):
         final_logit_softcapping=meta.arch_key("final_logit_softcapping"),
         attn_logit_softcapping=meta.arch_key("attn_logit_softcapping"),
         **common,
+    )
+
+
+def _layer_values(meta: Meta, key: str, layers: int, default: int | None = None) -> list[int]:
+    """A key's value for each layer: llama.cpp writes an array where layers differ (Gemma 4's KV heads and
+    MLP widths), one value where they do not."""
+    value = meta.arch_key(key, default)
+    if value is None:
+        meta.require(key)
+    values = [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+    if len(values) != layers:
+        raise SpecserveError(f"GGUF metadata {meta.arch}.{key} has {len(values)} values for {layers} layers")
+    return values
+
+
+def _one_per_kind(values: list[int], kinds: list[str], what: str) -> dict[str, int]:
+    """The value each kind of layer shares (the config has one per kind)."""
+    out: dict[str, int] = {}
+    for value, kind in zip(values, kinds):
+        if out.setdefault(kind, value) != value:
+            raise SpecserveError(f"GGUF file: its {kind} layers differ in {what}, which is not supported")
+    return out
+
+
+def _rotated_fraction(reader, head_dim: int) -> float:
+    """The fraction of a global layer's head that RoPE turns. llama.cpp's converter stores Gemma 4's
+    proportional RoPE as full-width RoPE whose frequencies are divided by `rope_freqs`: 1 for the pairs it
+    turns, 1e30 (a standstill) for the rest."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        raise SpecserveError("GGUF file lacks rope_freqs.weight (the global layers' RoPE)")
+    if int(tensor.tensor_type) != 0:  # F32, as the converter writes every 1-D tensor
+        raise SpecserveError(f"GGUF tensor rope_freqs.weight is of type {int(tensor.tensor_type)}, not F32")
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    turned = int(np.sum(factors == 1.0))
+    if len(factors) != head_dim // 2 or not (factors[turned:] >= 1e29).all():
+        raise SpecserveError(
+            "GGUF tensor rope_freqs.weight is not proportional RoPE's factors (1 on the first pairs, 1e30 on "
+            f"the rest, {head_dim // 2} in all)"
+        )
+    return 2 * turned / head_dim
+
+
+def _gemma4_config(meta: Meta, common: dict[str, Any], reader):
+    """Gemma 4 (E2B, E4B, 26B-A4B, 31B), as llama.cpp's converter writes it: the layer kinds as a sliding
+    pattern, the global layers' head dim and KV heads as the plain keys and the sliding ones' as `_swa` keys
+    or per-layer arrays, the last `shared_kv_layers` layers reading earlier layers' KV (no K/V of their own),
+    their double-wide MLPs as per-layer widths. A global layer without V projection takes V from K."""
+    from transformers import Gemma4TextConfig
+
+    layers = common["num_hidden_layers"]
+    pattern = meta.require("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise SpecserveError(
+            "GGUF metadata gemma4.attention.sliding_window_pattern: one flag per layer expected"
+        )
+    kinds = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    head_dims = {
+        "full_attention": int(meta.require("attention.key_length")),
+        "sliding_attention": int(meta.require("attention.key_length_swa")),
+    }
+    if meta.arch_key("rope.scaling.type", "none") != "none":
+        raise SpecserveError("GGUF file: RoPE scaling on Gemma 4 is not supported")
+    for kind, dims in (("full_attention", ""), ("sliding_attention", "_swa")):
+        if int(meta.arch_key(f"rope.dimension_count{dims}") or head_dims[kind]) != head_dims[kind]:
+            raise SpecserveError(f"GGUF file: RoPE on part of the {kind} layers' heads is not supported")
+    kv_heads = _one_per_kind(
+        _layer_values(meta, "attention.head_count_kv", layers, common["num_attention_heads"]),
+        kinds,
+        "KV heads",
+    )
+    shared = int(meta.arch_key("attention.shared_kv_layers") or 0)
+    widths = _layer_values(meta, "feed_forward_length", layers)
+    width = widths[0]
+    double_wide = widths != [width] * layers
+    if double_wide and widths != [width * (1 if i < layers - shared else 2) for i in range(layers)]:
+        raise SpecserveError("GGUF file: MLP widths other than double-wide in the KV-shared layers")
+    names = {t.name for t in reader.tensors}
+    has_v = {
+        f"blk.{i}.attn_v.weight" in names for i in range(layers - shared) if kinds[i] == "full_attention"
+    }
+    if len(has_v) > 1:
+        raise SpecserveError("GGUF file: some of its global layers have a V projection and some do not")
+    per_layer = {"hidden_size_per_layer_input": int(meta.arch_key("embedding_length_per_layer_input") or 0)}
+    for t in reader.tensors:
+        if t.name == "per_layer_token_embd.weight":
+            per_layer["vocab_size_per_layer_input"] = int(t.shape[-1])
+    experts = int(meta.arch_key("expert_count") or 0)
+    moe: dict[str, Any] = {"enable_moe_block": experts > 0}
+    if experts:
+        moe.update(
+            num_experts=experts,
+            top_k_experts=int(meta.require("expert_used_count")),
+            moe_intermediate_size=int(meta.require("expert_feed_forward_length")),
+        )
+    full = {"head_dim": head_dims["full_attention"], "num_key_value_heads": kv_heads.get("full_attention")}
+    return Gemma4TextConfig(
+        architectures=["Gemma4ForCausalLM"],
+        **{
+            **common,
+            "intermediate_size": width,
+            "num_key_value_heads": kv_heads.get("sliding_attention", common["num_key_value_heads"]),
+        },
+        head_dim=head_dims["sliding_attention"],
+        layer_types=kinds,
+        per_layer_config={i: full for i, kind in enumerate(kinds) if kind == "full_attention"},
+        sliding_window=int(meta.require("attention.sliding_window")),
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": _rotated_fraction(reader, head_dims["full_attention"]),
+                "rope_theta": _f32(meta.require("rope.freq_base")),
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": _f32(meta.arch_key("rope.freq_base_swa", 10000.0)),
+            },
+        },
+        final_logit_softcapping=meta.arch_key("final_logit_softcapping"),
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=double_wide,
+        attention_k_eq_v=has_v == {False},
+        **per_layer,
+        **moe,
     )
 
 

@@ -3,22 +3,26 @@ the chunks a local model ships it in, before they are assembled.
 
 Checks made before loading (`specserve/preflight.py`) need the model's configuration: `build_hf_config` in
 `models/gguf.py` reads it off any object with GGUFReader's `fields` (each with `contents()`) and `tensors`
-(each with `name` and `shape`), which this one has. `GGUFReader` itself parses every array element up front
+(each with `name` and `shape`; Gemma 4's RoPE factors also with `tensor_type` and `data`), which this one
+has. `GGUFReader` itself parses every array element up front
 (7-11 s for a Qwen file's 150k token strings); here arrays are skipped over and read only when asked for.
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 key/value count; each
 key/value: string key, u32 type, value (a string is a u64 length and bytes; an array a u32 element type, a
 u64 count and the elements); then each tensor: string name, u32 dimension count, u64 dimensions (innermost
-first), u32 type, u64 data offset.
+first), u32 type, u64 data offset (from the start of the data section, which follows aligned).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from specserve.config import SpecserveError
 
@@ -26,6 +30,8 @@ from specserve.config import SpecserveError
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
 _SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_F32 = 0  # tensor type
+_ALIGNMENT = 32  # of the data section, where `general.alignment` does not say
 _BLOCK = 4 << 20  # bytes read at a time
 
 
@@ -95,6 +101,17 @@ class HeaderTensor:
     name: str
     shape: list[int]  # innermost first, as GGUFReader's
     tensor_type: int
+    stream: _Stream
+    start: int = 0  # where its data begins in the file (set once the data section's start is known)
+
+    @property
+    def data(self) -> np.ndarray:
+        """An F32 tensor's values, flat (a setting the converter stored as a tensor: Gemma 4's RoPE factors);
+        larger and quantized tensors are the loaders', from the file itself."""
+        if self.tensor_type != _F32:
+            raise SpecserveError(f"GGUF header: {self.name} is not F32 (type {self.tensor_type})")
+        self.stream.pos = self.start
+        return np.frombuffer(self.stream.read(4 * math.prod(self.shape)), dtype="<f4")
 
 
 def _value(stream: _Stream, value_type: int) -> Any:
@@ -138,12 +155,16 @@ class GGUFHeader:
             else:
                 self.fields[key] = HeaderField(stream, _value(stream, value_type))
         self.tensors: list[HeaderTensor] = []
+        offsets = []
         for _ in range(num_tensors):
             name, num_dims = stream.string(), stream.unpack("<I")
             shape = [stream.unpack("<Q") for _ in range(num_dims)]
-            tensor_type = stream.unpack("<I")
-            stream.unpack("<Q")  # data offset
-            self.tensors.append(HeaderTensor(name, shape, tensor_type))
+            self.tensors.append(HeaderTensor(name, shape, stream.unpack("<I"), stream))
+            offsets.append(stream.unpack("<Q"))
+        alignment = int(self.get("general.alignment", _ALIGNMENT))
+        data_start = -(-stream.pos // alignment) * alignment  # the data section starts aligned
+        for tensor, offset in zip(self.tensors, offsets):
+            tensor.start = data_start + offset
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.fields.get(key)

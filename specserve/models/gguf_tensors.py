@@ -12,6 +12,12 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
   as transformers does, so (w + 1) - 1 may differ from w in the last bit: the file only has w + 1).
 - Gemma 3: the sliding-window pattern (5 local : 1 global) and the local RoPE base (10,000) are not in
   the file; llama.cpp hard-codes both, so do we. The window size itself is (`attention.sliding_window`).
+- Gemma 4 (`gemma4`, llama.cpp's Gemma4Model; checked against llama.cpp itself by tests/test_gguf_gemma4.py):
+  norms stored as they are (its norms scale by w); the layer scalar as `layer_output_scale`, the router's
+  scale and per-expert scale as `ffn_gate_inp.scale` and `ffn_down_exps.scale`, the experts stacked and
+  their gate/up fused as in the checkpoint (`ffn_gate_up_exps`); the KV-shared layers have no K/V tensors,
+  the global layers of V = K no `attn_v`. `rope_freqs` is no checkpoint tensor: the global layers' RoPE,
+  read into the config.
 - Tied embeddings: llama.cpp writes `output.weight` only when the model has its own LM head. The two
   Qwen2.5-Coder files here DO carry `output.weight` although the HF originals are tied: it was quantized
   differently from `token_embd` (Q8_0 vs Q5_0, Q6_K vs Q4_K), so the two differ after dequantization and
@@ -78,6 +84,10 @@ _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    # Gemma 4's per-layer inputs
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
 _LAYER_COMMON = {
     "attn_q": "self_attn.q_proj",
@@ -110,23 +120,48 @@ _QWEN35_MOE = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma 3 has four norms per block; llama.cpp's names shift by one relative to HF's.
+_GEMMA3 = {
+    **_LAYER_COMMON,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_BY_ARCH = {
     "qwen2": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
     "qwen3": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
     "qwen3moe": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
-    # Gemma 3 has four norms per block; llama.cpp's names shift by one relative to HF's.
-    "gemma3": {
-        **_LAYER_COMMON,
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
+    "gemma3": _GEMMA3,
+    # and the per-layer inputs' and the MoE block's, whose experts are parameters (`_PARAMETERS`)
+    "gemma4": {
+        **_GEMMA3,
+        "inp_gate": "per_layer_input_gate",
+        "proj": "per_layer_projection",
+        "post_norm": "post_per_layer_input_norm",
+        "ffn_gate_inp": "router.proj",
+        "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+        "post_ffw_norm_1": "post_feedforward_layernorm_1",
+        "post_ffw_norm_2": "post_feedforward_layernorm_2",
     },
     "qwen35": _QWEN35,
     "qwen35moe": _QWEN35_MOE,
     "qwen3next": _QWEN35_MOE,  # and `ssm_ba`, fused (`_qwen3_next_layouts`)
 }
 # Block tensors that are parameters of their own (no `.weight` of a module), by (name, kind) in the block.
-_PARAMETERS = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+_HYBRID_PARAMETERS = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+_PARAMETERS = {
+    **dict.fromkeys(HYBRID_ARCHS, _HYBRID_PARAMETERS),
+    # Gemma 4's experts stay stacked (the checkpoint's gate_up_proj is the file's fused ffn_gate_up_exps)
+    "gemma4": {
+        ("layer_output_scale", "weight"): "layer_scalar",
+        ("ffn_gate_inp.scale", None): "router.scale",
+        ("ffn_down_exps.scale", None): "router.per_expert_scale",
+        ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
+        ("ffn_down_exps", "weight"): "experts.down_proj",
+    },
+}
+# Tensors the converter derives from the config; `build_hf_config` reads them back into it.
+_CONFIG_TENSORS = {"gemma4": ("rope_freqs.weight",)}
 # The multi-token-prediction blocks llama.cpp appends (Qwen3.5): their own tensors, by the checkpoint's names.
 _MTP = {
     "nextn.eh_proj": "mtp.fc",
@@ -268,6 +303,8 @@ def plan_tensors(reader) -> list[PlannedTensor]:
         return SpecserveError(f"GGUF tensor {name!r} has no HF counterpart for architecture {arch!r}")
 
     for idx, t in enumerate(reader.tensors):
+        if t.name in _CONFIG_TENSORS.get(arch, ()):
+            continue
         shape = tuple(int(d) for d in reversed(list(t.shape)))  # GGUFReader's array or GGUFHeader's list
         plus_one = t.name.endswith("norm.weight") and not t.name.endswith("ssm_norm.weight")
         offset = 1.0 if arch in _PLUS_ONE_NORMS and plus_one else 0.0
@@ -275,7 +312,9 @@ def plan_tensors(reader) -> list[PlannedTensor]:
             layer, leaf, kind = int(m.group(1)), m.group(2), m.group(3)
             prefix = f"model.layers.{layer}" if layer < mtp_from else f"mtp.layers.{layer - mtp_from}"
             planned = dict(source=idx, offset=offset, v_heads=v_heads.get(leaf))
-            if leaf in _EXPERT_LEAVES and "ffn_gate_inp" in layer_map:
+            if param := _PARAMETERS.get(arch, {}).get((leaf, kind)):
+                plan.append(PlannedTensor(f"{prefix}.{param}", shape, **planned, negated_exp=leaf == "ssm_a"))
+            elif leaf in _EXPERT_LEAVES and "ffn_gate_inp" in layer_map:
                 for e in range(shape[0]):
                     name = f"{prefix}.mlp.experts.{e}.{_EXPERT_LEAVES[leaf]}.{kind}"
                     plan.append(PlannedTensor(name, shape[1:], idx, expert=e))
@@ -286,8 +325,6 @@ def plan_tensors(reader) -> list[PlannedTensor]:
                     rows = _rows_in(layouts["in_proj_ba"], proj)
                     name = f"{prefix}.linear_attn.{proj}.{kind}"
                     plan.append(PlannedTensor(name, (len(rows), *shape[1:]), **planned, rows=rows))
-            elif arch in HYBRID_ARCHS and (param := _PARAMETERS.get((leaf, kind))):
-                plan.append(PlannedTensor(f"{prefix}.{param}", shape, **planned, negated_exp=leaf == "ssm_a"))
             elif leaf in layer_map and kind is not None:
                 if leaf == "ssm_conv1d":  # the converter squeezed [channels, 1, kernel]
                     shape = (shape[0], 1, shape[1])

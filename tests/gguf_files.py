@@ -1,0 +1,65 @@
+"""Helpers for the tests that write GGUF files as llama.cpp's converter does (tests/test_gguf_*.py): tensors
+added as the converter stores them, llama.cpp's logits on a file, the converted checkpoint read back,
+transformers' greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+PROMPT = [5, 17, 3, 42, 8, 99, 1, 64]
+
+
+def add_tensor(w: gguf.GGUFWriter, name: str, x: np.ndarray, quantized: QT | None, matrix: bool) -> None:
+    """F32, or `quantized` blocks for a matrix whose rows split into whole blocks (as the converter falls back
+    to F32 for the others)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if quantized is not None and matrix and x.shape[-1] % gguf.GGML_QUANT_SIZES[quantized][0] == 0:
+        w.add_tensor(name, gguf.quants.quantize(x, quantized), raw_dtype=quantized)
+    else:
+        w.add_tensor(name, x)
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def assert_llama_cpp_reads_as(model, path: Path, ids: list[int] = PROMPT, rtol: float = 2e-3) -> None:
+    """llama.cpp's logits on the file are `model`'s (transformers') on the same tokens, within `rtol` of the
+    largest; skipped where llama-cpp-python is not installed. Its KV cache is fp32 (fp16 by default), so that
+    the layout, not the cache's rounding, decides."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    f32 = int(gguf.GGMLQuantizationType.F32)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=f32, type_v=f32
+    )
+    llm.eval(ids)
+    got = np.asarray(llm.scores[: len(ids)])
+    np.testing.assert_allclose(got, expected, atol=rtol * np.abs(expected).max())
+
+
+def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint directory."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def transformers_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
