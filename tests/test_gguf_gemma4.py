@@ -144,15 +144,48 @@ def _write_metadata(w: gguf.GGUFWriter, config) -> None:
 _BY_HAND = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
 
 
-def write_like_llama_cpp(model, path, quantized: QT | None = None) -> None:
+# A vocabulary as the converter writes Gemma 4's: its control tokens, the tool answer's start marked
+# user-defined, sentencepiece pieces with merges, unused slots up to the model's size.
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool_response>"]
+PIECES = ["\u2581", *"abcdefghijklmnopqrstuvwxyz\n", "th", "the", "\u2581c", "at"]
+MERGES = ["t h", "th e", "\u2581 c", "a t"]
+TOKENS = SPECIALS + PIECES + [f"<unused{i}>" for i in range(VOCAB - len(SPECIALS) - len(PIECES))]
+TOKEN_TYPES = [3, 3, 3, 2, 3, 3, 4] + [1] * len(PIECES) + [5] * (VOCAB - len(SPECIALS) - len(PIECES))
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def _write_vocabulary(w: gguf.GGUFWriter) -> None:
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(TOKENS)
+    w.add_token_scores([0.0] * len(TOKENS))
+    w.add_token_types(TOKEN_TYPES)
+    w.add_token_merges(MERGES)
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_like_llama_cpp(
+    model, path, quantized: QT | None = None, vocabulary: bool = False, rope_freqs: np.ndarray | None = None
+) -> None:
     """`model` (a transformers Gemma4ForCausalLM) as llama.cpp's converter writes it: F32 tensors, or the
-    matrices in `quantized` blocks; no vocabulary."""
+    matrices in `quantized` blocks; the vocabulary above, or none; `rope_freqs` for the factors."""
     config = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, config.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "gemma4")
     _write_metadata(w, config)
     w.add_vocab_size(config.vocab_size)
-    w.add_tokenizer_model("no_vocab")
+    if vocabulary:
+        _write_vocabulary(w)
+    else:
+        w.add_tokenizer_model("no_vocab")
     for name, x in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -165,7 +198,7 @@ def write_like_llama_cpp(model, path, quantized: QT | None = None) -> None:
             name = f"{names.get_name(base)}.weight"
         matrix = x.dim() >= 2 and "norm" not in name
         add_tensor(w, name, x.float().numpy(), quantized, matrix)
-    w.add_tensor("rope_freqs.weight", _rope_freqs(config))
+    w.add_tensor("rope_freqs.weight", _rope_freqs(config) if rope_freqs is None else rope_freqs)
     finish(w)
 
 
@@ -300,3 +333,46 @@ def test_the_engine_serves_the_file_as_transformers(name, tmp_path, specserve_ca
     llm = LLM(str(path), max_model_len=64, kv_cache_memory="16MiB")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == transformers_greedy(model, prompts, 10)
+
+
+def test_the_tokenizer_comes_from_the_file(tmp_path, specserve_cache):
+    """transformers builds Gemma 4's tokenizer from the file (pieces and merges, no BOS of its own: the chat
+    template writes it); the conversion keeps it with the template, the engine stops at the end of a turn and
+    at the tool answer's start (user-defined in the file) as llama.cpp does, and answers chat."""
+    path = tmp_path / "chat.gguf"
+    write_like_llama_cpp(_reference("dense"), path, vocabulary=True)
+    llm = LLM(str(path), max_model_len=64, kv_cache_memory="16MiB")
+    tokenizer = llm.tokenizer
+    assert tokenizer("the cat").input_ids == [TOKENS.index(t) for t in ("the", "\u2581c", "at")]
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert {1, TOKENS.index("<turn|>"), TOKENS.index("<|tool_response>")} <= set(llm.engine.eos_token_ids)
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert out[0].prompt_token_ids == tokenizer.encode("<bos><|turn>user\nhi<turn|>\n<|turn>model\n")
+    assert out[0].prompt_token_ids[:2] == [2, TOKENS.index("<|turn>")]
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    ("factors", "error"),
+    [
+        (np.ones(16, np.float32), None),  # every pair turned: a fraction of 1
+        (np.array([1.0] * 4 + [1e30] * 4, np.float32), "not proportional RoPE's factors .* 16 in all"),
+        (np.array([1.0, 1e30] * 8, np.float32), "not proportional RoPE's factors"),
+    ],
+)
+def test_the_global_layers_rope_comes_from_rope_freqs(factors, error, tmp_path, specserve_cache):
+    """The rotated fraction is read off rope_freqs (not assumed); factors that are not proportional RoPE's
+    are a clear error, before anything is converted."""
+    from specserve.config import SpecserveError
+    from specserve.models.loader import load_hf_config, resolve_model
+
+    path = tmp_path / "rope.gguf"
+    write_like_llama_cpp(_reference("moe"), path, rope_freqs=factors)
+    if error is None:
+        config = load_hf_config(resolve_model(str(path), need_weights=False))
+        assert config.rope_parameters[F]["partial_rotary_factor"] == 1.0
+        return
+    with pytest.raises(SpecserveError, match=error):
+        resolve_model(str(path), need_weights=False)
+    assert not any((specserve_cache / "converted").glob("*/config.json"))

@@ -491,6 +491,11 @@ def write_weights(reader, plan: list[PlannedTensor], out_dir: Path, max_shard_by
 # -------------------------------------------------------------------------------------------- tokenizer
 
 
+# AutoTokenizer builds the model's config from the file only to pick the tokenizer's class, and transformers
+# cannot build Gemma 4's (its per-layer KV heads and MLP widths fail the config's checks): the class, named.
+_TOKENIZER_CLASSES = {"gemma4": "GemmaTokenizer"}
+
+
 def write_tokenizer(gguf_path: Path, meta: Meta, out_dir: Path, say: Callable[[str], None]) -> bool:
     """Build the tokenizer from the GGUF with transformers (slow: seconds per 100k tokens) and save it;
     whether the file has one."""
@@ -499,8 +504,9 @@ def write_tokenizer(gguf_path: Path, meta: Meta, out_dir: Path, say: Callable[[s
     import transformers
 
     say("building the tokenizer from the GGUF (slow, once)")
+    tokenizer_class = getattr(transformers, _TOKENIZER_CLASSES.get(meta.arch, "AutoTokenizer"))
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except ValueError as exc:  # an older transformers knows no tokenizer of the architecture (qwen35 < 5.25)
         raise SpecserveError(
             f"{gguf_path.name}: transformers {transformers.__version__} cannot build its tokenizer ({exc}); "
