@@ -44,6 +44,12 @@ BASE = dict(
     head_dim=16,
     global_head_dim=32,
     sliding_window=4,
+    # none of them transformers' defaults, so that the conversion must read each off the file
+    rope_parameters={
+        S: {"rope_type": "default", "rope_theta": 20000.0},
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 500000.0},
+    },
+    rms_norm_eps=1e-5,
     hidden_size_per_layer_input=0,
     final_logit_softcapping=30.0,
     max_position_embeddings=512,
@@ -53,7 +59,9 @@ BASE = dict(
 )
 CONFIGS = {
     # E2B / E4B-like: per-layer inputs, the last two layers reading the KV of earlier ones (one of each
-    # kind) with double-wide MLPs, V projections on every layer that has K
+    # kind) with double-wide MLPs, V projections on every layer that has K. The last layers with KV of their
+    # own are a sliding then a global one, as llama.cpp's reuse takes them (it reads the sliding KV from
+    # the last layer but one, the global from the last; transformers, the last of each kind).
     "dense": dict(
         num_hidden_layers=6,
         layer_types=[S, S, S, F, S, F],
