@@ -1,5 +1,6 @@
 """The row-wise kernels between the linear layers (specserve/layers/kernels/rows.cpp): RMSNorm with the
-residual add, rotary embedding with the KV cache write, gated activations. Against float64 references and
+residual add, rotary embedding with the KV cache write, gated activations, Gated DeltaNet's delta-rule
+inputs. Against float64 references and
 the torch code they replace, batch invariant (a row's bits alone and among others), on strided views and
 dims that end in a partial vector. Skipped where the kernels are not built: the layers then run torch's
 ops, which the rest of the suite covers."""
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from specserve.layers import kernels
 from specserve.layers.attention import KVCache
 from specserve.layers.mlp import GatedMLP
-from specserve.layers.norm import RMSNorm
+from specserve.layers.norm import GatedRMSNorm, RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
 
 ops = kernels.ops()
@@ -138,4 +139,55 @@ def test_gated_mlp_on_the_kernel_follows_torch():
         got = mlp(x)
         mlp.kernel_act = None
         want = mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def delta_rule_inputs_float64(conv, a, b, a_log, dt_bias, key_heads: int, dk: int) -> list[torch.Tensor]:
+    """Gated DeltaNet's steps from its conv to its delta rule (transformers' math) in float64."""
+    n, key_dim = len(conv), key_heads * dk
+    q, k, v = F.silu(conv.double()).split([key_dim, key_dim, conv.shape[1] - 2 * key_dim], -1)
+    q, k = (t.reshape(n, key_heads, dk) for t in (q, k))
+    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * dk**-0.5
+    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    g = -a_log.double().exp() * F.softplus(a.double() + dt_bias.double())
+    return [q, k, v.reshape(n, a.shape[1], -1), g, g.exp(), b.double().sigmoid()]
+
+
+@pytest.mark.parametrize(
+    "key_heads,dk,heads,dv",
+    [(2, 128, 4, 128), (3, 12, 6, 10)],  # Qwen3.5's head sizes; heads that end in a partial vector
+)
+def test_gdn_delta_rule_inputs_against_float64(key_heads, dk, heads, dv):
+    n = 9
+    conv = rows_of(n, 2 * key_heads * dk + heads * dv) * 3
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, n, heads, generator=g) * 8  # softplus past its threshold of 20 included
+    a_log, dt_bias = torch.randn(2, heads, generator=g)
+    got = ops.gdn_delta_rule_inputs(conv, a, b, a_log, dt_bias, key_heads, dk, 1e-6)
+    want = delta_rule_inputs_float64(conv, a, b, a_log, dt_bias, key_heads, dk)
+    names = ("q", "k", "v", "g", "decay", "beta")
+    for name, x, y in zip(names, got, want, strict=True):
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        # relative, or to the row's scale where a value is ~0 (silu far below 0, a normalised ~0 entry)
+        assert ((x - y).abs() <= 1e-6 * y.abs() + 1e-6 * y.abs().amax(-1, keepdim=True) + 1e-30).all(), name
+    for i in range(len(names)):
+        assert_rows_alone_equal(
+            lambda c, a, b, i=i: ops.gdn_delta_rule_inputs(c, a, b, a_log, dt_bias, key_heads, dk, 1e-6)[i],
+            conv,
+            a,
+            b,
+        )
+
+
+def test_gated_rms_norm_on_the_kernel_follows_torch():
+    norm = GatedRMSNorm(32, 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x = rows_of(6, 4 * 32).view(6, 4, 32)
+    gate = rows_of(6, 3 * 4 * 32, seed=4)[:, 32:160].view(6, 4, 32)  # z: a strided part of a fused projection
+    with torch.inference_mode():
+        got = norm(x, gate)
+        norm.on_kernel = False
+        want = norm(x, gate)
+        norm.on_kernel = True
+        assert_rows_alone_equal(norm, x, gate)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

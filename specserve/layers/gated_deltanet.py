@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers import kernels
+from specserve.layers.fusion import project
 from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.mlp import activation
 from specserve.layers.norm import GatedRMSNorm
@@ -160,6 +161,7 @@ class RecurrentLayout:
 
     slots: torch.Tensor  # [P] each piece's state slot
     fresh: torch.Tensor  # [P] bool: the piece starts at position 0, from a zero state
+    any_fresh: bool  # (read once a forward, not once a layer)
     buffer_len: int
     token_rows: torch.Tensor  # [N] buffer row of each token
     state_rows: torch.Tensor  # [P, K-1] buffer rows of the state before the piece
@@ -184,9 +186,11 @@ class RecurrentLayout:
         checkpointed = meta.checkpoints.pieces if meta.checkpoints is not None else []
         if any(lengths[p] > RECURRENT_MAX_LEN for p in checkpointed):
             raise ValueError(f"a piece whose state may be rolled back has at most {RECURRENT_MAX_LEN} tokens")
+        fresh = meta.positions[starts.to(device)] == 0
         return cls(
             slots=meta.state_slots.long().to(device),
-            fresh=meta.positions[starts.to(device)] == 0,
+            fresh=fresh,
+            any_fresh=bool(fresh.any()),
             buffer_len=qs[-1] + num_pieces * w,
             token_rows=(torch.arange(qs[-1]) + (piece_of_token + 1) * w).to(device),
             state_rows=((starts + shift)[:, None] + torch.arange(w)).to(device),
@@ -198,7 +202,10 @@ class RecurrentLayout:
         )
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_EPS = 1e-6  # q's and k's L2 norms (transformers')
+
+
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -398,6 +405,8 @@ class TorchDeltaRule:
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention layer; parameter names are its checkpoint's (`linear_attn.*`)."""
 
+    FUSED_PROJECTIONS = (("in_proj_qkv", "in_proj_z"),)
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx  # the key of this layer's StateRecord
@@ -439,9 +448,9 @@ class GatedDeltaNet(nn.Module):
         checkpoints: StateCheckpoints | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        mixed = self.in_proj_qkv(x)
+        mixed, z = project(x, self.in_proj_qkv, self.in_proj_z)
         # Each piece's conv inputs and delta-rule state are updated in its slot; a fresh one starts at zero.
-        if bool(layout.fresh.any()):
+        if layout.any_fresh:
             fresh = layout.slots[layout.fresh]
             state.conv[fresh], state.ssm[fresh] = 0, 0
         keep = layout.checkpointed is not None and checkpoints is not None
@@ -449,28 +458,21 @@ class GatedDeltaNet(nn.Module):
             kept = layout.checkpointed
             kept_slots = layout.slots[kept.pieces]
             conv0, ssm0 = state.conv.index_select(0, kept_slots), state.ssm.index_select(0, kept_slots)
-        conv = self._conv(mixed, layout, state.conv)
-        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q = l2norm(q.reshape(n, self.num_k_heads, -1).float()) * self.head_k_dim**-0.5
-        k = l2norm(k.reshape(n, self.num_k_heads, -1).float())
-        v = v.reshape(n, self.num_v_heads, -1).float()
-        g, decay, beta = self._gates(x)
-
-        inputs = DeltaRuleInputs(q, k, v, g, decay, beta)
+        inputs = self._delta_rule_inputs(self._conv(mixed, layout, state.conv), x, layout.compiled)
         out, updates = self.delta_rule.forward(inputs, layout, state.ssm, keep)
         if keep:
             checkpoints.layers[self.layer_idx] = StateRecord(
                 kept_slots, kept.lengths, conv0, ssm0, mixed[kept.rows], updates
             )
 
-        z = self.in_proj_z(x).view(n, self.num_v_heads, -1)
+        z = z.view(n, self.num_v_heads, -1)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(n, -1))
 
     def _conv(self, mixed: torch.Tensor, layout: RecurrentLayout, pool: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv + activation of every token over its piece's state then tokens, each
-        piece's state in `pool` moved on to its last K-1 inputs: in one compiled call where every piece is
-        short and fp32, else a tap at a time over a buffer of all the windows. Either way a product per tap
-        added in tap order (elementwise: exact per row, and the same bits)."""
+        """Depthwise causal conv of every token over its piece's state then tokens (fp32, before the
+        activation), each piece's state in `pool` moved on to its last K-1 inputs: in one compiled call
+        where every piece is short and fp32, else a tap at a time over a buffer of all the windows. Either
+        way a product per tap added in tap order (elementwise: exact per row, and the same bits)."""
         weight = self.conv1d.weight[:, 0].float()  # [conv_dim, K]
         fp32 = mixed.dtype == pool.dtype == torch.float32
         learning = torch.is_grad_enabled() and (mixed.requires_grad or weight.requires_grad)  # autograd's
@@ -478,7 +480,7 @@ class GatedDeltaNet(nn.Module):
             acc, short, ops = torch.empty_like(mixed), layout.short, layout.compiled
             x, w = mixed.contiguous(), weight.contiguous()  # (no copy for the layers' own outputs)
             ops.causal_conv_short(pool, layout.slots, short.starts, short.lengths, x, w, acc)
-            return self.act(acc)
+            return acc
         buffer = mixed.new_empty(layout.buffer_len, self.conv_dim)
         buffer[layout.token_rows] = mixed
         states = pool.index_select(0, layout.slots)
@@ -488,13 +490,30 @@ class GatedDeltaNet(nn.Module):
         acc = buffer[first].float() * weight[:, 0]
         for j in range(1, self.kernel_size):
             acc = acc + buffer[first + j].float() * weight[:, j]
-        return self.act(acc).to(buffer.dtype)
+        return acc
 
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(g, exp(g), beta) [N, heads] fp32, computed in fp64 (see the module docstring)."""
-        a = self.in_proj_a(x).double()
-        g = -self.A_log.double().exp() * F.softplus(a + self.dt_bias.double())
-        return g.float(), g.exp().float(), self.in_proj_b(x).double().sigmoid().float()
+    def _delta_rule_inputs(self, conv: torch.Tensor, x: torch.Tensor, compiled) -> DeltaRuleInputs:
+        """The conv's output activated and split into q, k (L2-normalised, q also scaled) and v, with the
+        gates (g, exp(g), beta) [N, heads], computed in fp64 (see the module docstring): in one compiled
+        call on the CPU (rows.cpp; a few ulp from torch's ops, every row alike), else in torch ops."""
+        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        if (
+            compiled is not None
+            and self.act is F.silu
+            and kernels.rows_take(conv, a, b, self.A_log, self.dt_bias)
+        ):
+            return DeltaRuleInputs(
+                *compiled.gdn_delta_rule_inputs(
+                    conv, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, L2_EPS
+                )
+            )
+        n = x.shape[0]
+        q, k, v = self.act(conv).to(x.dtype).split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q = l2norm(q.reshape(n, self.num_k_heads, -1).float()) * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(n, self.num_k_heads, -1).float())
+        v = v.reshape(n, self.num_v_heads, -1).float()
+        g = -self.A_log.double().exp() * F.softplus(a.double() + self.dt_bias.double())
+        return DeltaRuleInputs(q, k, v, g.float(), g.exp().float(), b.double().sigmoid().float())
 
     def rollback(self, checkpoints: StateCheckpoints, state: RecurrentState, keep: dict[int, int]) -> None:
         """Rewrite each checkpointed piece's slot to the state after its first keep[p] tokens."""

@@ -14,7 +14,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
-_KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # rows.cpp's gated_activation
+KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # rows.cpp's gated_activation
 
 
 def activation(name: str):
@@ -32,7 +32,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
-        self.kernel_act = _KERNEL_ACTIVATIONS.get(act) if kernels.ops() is not None else None
+        self.kernel_act = KERNEL_ACTIVATIONS.get(act) if kernels.ops() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activate(*project(x, self.gate_proj, self.up_proj)))

@@ -86,8 +86,8 @@ class HybridDecoderLayer(nn.Module):
             x = self.linear_attn(x, layout, cache, attn.checkpoints)
         else:
             x = self.self_attn(x, positions, attn, cache)
-        h = h + x
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_forward(x, h)
+        return h + self.mlp(x)
 
 
 class HybridModel(nn.Module):

@@ -1,9 +1,9 @@
 """The compiled kernels, built once per machine and cached: int4 / int8 linear layers (qlinear.cpp), the
 attention of decode and verification rows from the paged KV cache (attention.cpp), the row-wise steps
-between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations), Gated
-DeltaNet's recurrence and causal conv for short pieces, with the rollback (delta_rule.cpp), fp32 linears
-with few outputs (fp32_linear.cpp: MoE routers, per-head gates), and a mixture-of-experts layer's routing
-bookkeeping (moe.cpp).
+between them (rows.cpp: RMSNorm, rotary embedding with the KV cache write, gated activations, Gated
+DeltaNet's delta-rule inputs), Gated DeltaNet's recurrence and causal conv for short pieces, with the
+rollback (delta_rule.cpp), fp32 linears with few outputs (fp32_linear.cpp: MoE routers, per-head gates),
+and a mixture-of-experts layer's routing bookkeeping (moe.cpp).
 
 The first use compiles the sources with torch's C++ extension tooling (gcc and ninja; ~15 s on 2 cores)
 into the specserve cache directory, keyed by the sources, torch and Python versions; later processes load
@@ -23,6 +23,7 @@ The ops, as `torch.ops.specserve.*` (isa: -1 = the best this CPU has, 0 scalar, 
     paged_attention_rows(q, k_cache, v_cache, rows, tables, pieces, positions, key_ends, window, scale)
     rms_norm(x, weight, eps, offset), add_rms_norm(x, residual, weight, eps, offset) -> (sum, normed)
     rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots), gated_activation(gate, up, act)
+    gdn_delta_rule_inputs(conv, a, b, A_log, dt_bias, key_heads, dk, eps) -> (q, k, v, g, decay, beta)
     delta_rule_recurrent(state0, pool, index, slots, starts, lengths, q, k, v, decay, beta, out, deltas, isa)
     delta_rule_replay(pool, slots, state0, k, decay, deltas, which, kept, isa)
     causal_conv_short(pool, slots, starts, lengths, x, weight, out)

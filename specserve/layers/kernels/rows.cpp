@@ -1,13 +1,14 @@
 // The row-wise steps between the linear layers, in fp32: RMSNorm (after the residual add), rotary
-// position embedding applied in place with the write of K and V into the paged cache, and the gated
-// activation of the MLP. At decode sizes each is a few microseconds of arithmetic that torch spreads over
+// position embedding applied in place with the write of K and V into the paged cache, the gated
+// activation of the MLP, and Gated DeltaNet's steps from its conv to its delta rule (activation, L2 norms,
+// gates). At decode sizes each is a few microseconds of arithmetic that torch spreads over
 // 5-10 operators of ~2 us each; a layer runs five of them.
 //
 // Batch invariance: every row is computed on its own, with the same instructions whatever the number of
 // rows; threads split rows, never a row. A row's last partial vector is copied into a zero-padded one and
 // takes the vector code too. The rotary arithmetic is torch's (rotary.py: x * cos + roll(x) * sin, no fused
-// multiply-add), so its results are bitwise those of the fallback; RMSNorm sums in another order and the
-// activations use their own exp, within a few ulp of torch.
+// multiply-add), so its results are bitwise those of the fallback; RMSNorm and the L2 norms sum in another
+// order and the activations use their own exp, within a few ulp of torch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -313,6 +314,117 @@ at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up, int64_
   return out;
 }
 
+// --------------------------------------------------------------- Gated DeltaNet's delta-rule inputs
+
+// silu(x[0:n]) into out[0:n]; the last partial vector from a zero-padded copy.
+template <int L>
+SPECSERVE_INLINE void silu_into(const float* x, int64_t n, float* out) {
+  const int64_t full = n / L * L;
+  for (int64_t i = 0; i < full; i += L) {
+    const Vec<L> y = activate<L, kSilu>(load<L>(x + i));
+    std::memcpy(out + i, &y, sizeof y);
+  }
+  if (full < n) {
+    float last[L] = {};
+    std::memcpy(last, x + full, 4 * (n - full));
+    const Vec<L> y = activate<L, kSilu>(load<L>(last));
+    std::memcpy(out + full, &y, 4 * (n - full));
+  }
+}
+
+// x[0:n] /= sqrt(sum(x^2) + eps), then *= scale unless it is 1 (two roundings, as torch's l2norm and then
+// its scaling).
+template <int L>
+SPECSERVE_INLINE void l2_normalise(float* x, int64_t n, float eps, float scale) {
+  Vec<L> squares[2] = {};
+  const int64_t full = n / L * L;
+  int64_t i = 0;
+  for (int c = 0; i < full; i += L, c ^= 1) squares[c] += load<L>(x + i) * load<L>(x + i);
+  const Vec<L> total = squares[0] + squares[1];
+  float sum = 0.f;
+  for (int j = 0; j < L; ++j) sum += total[j];
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float inverse = 1.f / std::sqrt(sum + eps);
+  for (i = 0; i < n; ++i) x[i] = scale == 1.f ? x[i] * inverse : x[i] * inverse * scale;
+}
+
+struct DeltaRuleInputs {
+  Rows conv, a, b;               // [N, 2 key_dim + value_dim] before the activation, [N, heads] twice
+  const float *a_log, *dt_bias;  // [heads]
+  int64_t key_heads, dk, heads, dv;
+  float eps, q_scale;
+  float *q, *k, *v, *g, *decay, *beta;  // [N, key heads, dk] twice, [N, heads, dv], [N, heads] thrice
+};
+
+// Row n: silu over the conv output, q and k L2-normalised per key head (q then scaled), v; per value head
+// g = -exp(A_log) softplus(a + dt_bias), exp(g) and sigmoid(b), in double as the torch path computes them
+// (gated_deltanet.py's docstring says why), each rounded to fp32 once.
+template <int L>
+SPECSERVE_INLINE void delta_rule_inputs_row(const DeltaRuleInputs& p, int64_t n) {
+  const int64_t key_dim = p.key_heads * p.dk, value_dim = p.heads * p.dv;
+  const float* x = p.conv.row(n);
+  float *q = p.q + n * key_dim, *k = p.k + n * key_dim;
+  silu_into<L>(x, key_dim, q);
+  silu_into<L>(x + key_dim, key_dim, k);
+  silu_into<L>(x + 2 * key_dim, value_dim, p.v + n * value_dim);
+  for (int64_t h = 0; h < p.key_heads; ++h) {
+    l2_normalise<L>(q + h * p.dk, p.dk, p.eps, p.q_scale);
+    l2_normalise<L>(k + h * p.dk, p.dk, p.eps, 1.f);
+  }
+  const float *a = p.a.row(n), *b = p.b.row(n);
+  for (int64_t h = 0; h < p.heads; ++h) {
+    const double shifted = static_cast<double>(a[h]) + static_cast<double>(p.dt_bias[h]);
+    const double softplus = shifted > 20.0 ? shifted : std::log1p(std::exp(shifted));  // torch's threshold
+    const double g = -std::exp(static_cast<double>(p.a_log[h])) * softplus;
+    p.g[n * p.heads + h] = static_cast<float>(g);
+    p.decay[n * p.heads + h] = static_cast<float>(std::exp(g));
+    p.beta[n * p.heads + h] = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(b[h]))));
+  }
+}
+
+__attribute__((target("avx512f"))) void delta_rule_inputs_row_avx512(const DeltaRuleInputs& p, int64_t n) {
+  delta_rule_inputs_row<16>(p, n);
+}
+
+__attribute__((target("avx2,fma"))) void delta_rule_inputs_row_avx2(const DeltaRuleInputs& p, int64_t n) {
+  delta_rule_inputs_row<8>(p, n);
+}
+
+// Gated DeltaNet's steps between its causal conv and its delta rule, every row in one call (torch spreads
+// them over ~25 operators a layer): conv [N, 2 key_heads dk + heads dv] (before the activation), a, b
+// [N, heads], A_log, dt_bias [heads] -> q, k [N, key_heads, dk], v [N, heads, dv], g, exp(g), beta
+// [N, heads].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_delta_rule_inputs(
+    const at::Tensor& conv, const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+    const at::Tensor& dt_bias, int64_t key_heads, int64_t dk, double eps) {
+  check_rows(conv, "conv");
+  check_rows(a, "a");
+  check_rows(b, "b");
+  const int64_t n = conv.size(0), heads = a.size(-1), value_dim = conv.size(-1) - 2 * key_heads * dk;
+  TORCH_CHECK(conv.dim() == 2 && a.dim() == 2 && a.sizes() == b.sizes() && a.size(0) == n,
+              "conv [N, channels], a and b [N, heads]");
+  TORCH_CHECK(key_heads > 0 && dk > 0 && value_dim > 0 && value_dim % heads == 0,
+              "conv's channels: 2 key_heads dk + heads dv");
+  for (const at::Tensor* t : {&a_log, &dt_bias})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == heads && t->is_contiguous(),
+                "A_log, dt_bias: contiguous fp32 [heads]");
+  const auto options = conv.options();
+  at::Tensor q = at::empty({n, key_heads, dk}, options), k = at::empty({n, key_heads, dk}, options);
+  at::Tensor v = at::empty({n, heads, value_dim / heads}, options);
+  at::Tensor g = at::empty({n, heads}, options), decay = at::empty({n, heads}, options);
+  at::Tensor beta = at::empty({n, heads}, options);
+  const DeltaRuleInputs p{Rows(conv), Rows(a), Rows(b), a_log.data_ptr<float>(), dt_bias.data_ptr<float>(),
+                          key_heads, dk, heads, value_dim / heads, static_cast<float>(eps),
+                          static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk))),
+                          q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+                          decay.data_ptr<float>(), beta.data_ptr<float>()};
+  static const auto row = has_avx512() ? delta_rule_inputs_row_avx512 : delta_rule_inputs_row_avx2;
+  at::parallel_for(0, n, grain(conv.size(-1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row(p, r);
+  });
+  return {q, k, v, g, decay, beta};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
@@ -325,4 +437,8 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
       "Tensor(d!) v_cache, Tensor slots) -> ()",
       &rotate_and_cache);
   m.def("gated_activation(Tensor gate, Tensor up, int act) -> Tensor", &gated_activation);
+  m.def(
+      "gdn_delta_rule_inputs(Tensor conv, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, int key_heads, "
+      "int dk, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &gdn_delta_rule_inputs);
 }
