@@ -63,3 +63,39 @@ def transformers_greedy(model, prompts: list[list[int]], tokens: int) -> list[li
             ].tolist()
             for p in prompts
         ]
+
+
+def assert_quantized_loading_is_quantizing_the_conversion(path: Path, mode: str, requantized=()):
+    """Loading the (Q8_0) file with `quantization=mode` gives every quantized layer that quantizing its fp32
+    conversion gives: int8 keeps the file's codes (d in bf16) but in the layers whose last name is in
+    `requantized`, int4 requantizes; the engine then generates from the file. Returns (the model loaded
+    quantized, the conversion quantized, the last names of the layers checked)."""
+    from torch import nn
+
+    from specserve import LLM, SamplingParams
+    from specserve.layers.linear import PackedLinear
+    from specserve.layers.quant import Int4Linear, Int8Linear, quantize_model
+    from specserve.models.loader import load_model, resolve_model
+
+    model_dir = resolve_model(str(path))
+    from_gguf, _, _ = load_model(str(model_dir), quantization=mode)
+    dense, _, _ = load_model(str(model_dir))
+    linears = nn.Linear | PackedLinear  # packed by oneDNN where specserve's kernels are not built
+    fp32 = {name: m.weight.clone() for name, m in dense.named_modules() if isinstance(m, linears)}
+    assert quantize_model(dense, mode) > 0
+    layers = dict(from_gguf.named_modules())
+    checked = set()
+    for name, module in dense.named_modules():
+        if isinstance(module, Int8Linear | Int4Linear) and not name.endswith((".coarse", ".residual")):
+            layer, leaf = layers[name], name.rpartition(".")[2]
+            assert type(layer) is type(module), name
+            if mode == "int8" and leaf not in requantized:  # the file's codes, d in bf16
+                value = fp32[name]
+                assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all(), name
+            else:
+                assert torch.equal(layer.weight, module.weight), name
+            checked.add(leaf)
+    llm = LLM(str(path), quantization=mode, max_model_len=64, kv_cache_memory="16MiB")
+    out = llm.generate([[1, 5, 9, 2]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    return from_gguf, dense, checked

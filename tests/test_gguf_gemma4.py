@@ -17,15 +17,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from torch import nn
 
 from specserve import LLM, SamplingParams
-from specserve.layers.linear import PackedLinear
-from specserve.layers.quant import Int4Linear, Int8Linear, quantize_model
 from tests.gguf_files import (
     PROMPT,
     add_tensor,
     assert_llama_cpp_reads_as,
+    assert_quantized_loading_is_quantizing_the_conversion,
     checkpoint,
     finish,
     transformers_greedy,
@@ -293,28 +291,9 @@ def test_quantized_loading_takes_the_files_blocks(name, mode, tmp_path, specserv
     requantizes them; every quantized layer is the one quantizing the fp32 conversion gives, the experts and
     the per-layer embedding (no linear layers) are the conversion's tensors, and the engine generates from
     the file."""
-    from specserve.models.loader import load_model, resolve_model
-
     path = tmp_path / "q8.gguf"
     write_like_llama_cpp(_reference(name), path, quantized=QT.Q8_0)
-    model_dir = resolve_model(str(path))
-    from_gguf, _, _ = load_model(str(model_dir), quantization=mode)
-    dense, _, _ = load_model(str(model_dir))
-    linears = nn.Linear | PackedLinear  # packed by oneDNN where specserve's kernels are not built
-    fp32 = {key: m.weight.clone() for key, m in dense.named_modules() if isinstance(m, linears)}
-    assert quantize_model(dense, mode) > 0
-    layers = dict(from_gguf.named_modules())
-    checked = set()
-    for key, module in dense.named_modules():
-        if isinstance(module, Int8Linear | Int4Linear) and not key.endswith((".coarse", ".residual")):
-            layer = layers[key]
-            assert type(layer) is type(module), key
-            if mode == "int8" and key != "lm_head":  # the file's codes, d in bf16
-                value = fp32[key]
-                assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all(), key
-            else:
-                assert torch.equal(layer.weight, module.weight), key
-            checked.add(key.rpartition(".")[2])
+    from_gguf, dense, checked = assert_quantized_loading_is_quantizing_the_conversion(path, mode, {"lm_head"})
     assert {"q_proj", "o_proj", "down_proj"} <= checked
     assert name != "dense" or "per_layer_model_projection" in checked
     rest = {
@@ -325,9 +304,6 @@ def test_quantized_loading_takes_the_files_blocks(name, mode, tmp_path, specserv
         if key in rest:
             assert torch.equal(value, rest.pop(key)), key
     assert not rest
-    llm = LLM(str(path), quantization=mode, max_model_len=64, kv_cache_memory="16MiB")
-    out = llm.generate([[1, 5, 9, 2]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 6
 
 
 @pytest.mark.parametrize("name", CONFIGS)

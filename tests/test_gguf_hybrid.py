@@ -18,16 +18,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from torch import nn
 
 from specserve import LLM, SamplingParams
-from specserve.layers.linear import PackedLinear
-from specserve.layers.quant import Int4Linear, Int8Linear, quantize_model
-from specserve.models.loader import load_model, resolve_model
+from specserve.models.loader import resolve_model
 from tests.gguf_files import (
     PROMPT,
     add_tensor,
     assert_llama_cpp_reads_as,
+    assert_quantized_loading_is_quantizing_the_conversion,
     checkpoint,
     finish,
     transformers_greedy,
@@ -294,30 +292,10 @@ def test_quantized_loading_takes_the_blocks_in_the_checkpoint_order(arch, mode, 
     # Qwen3-Next's 32 value heads, halved: in_proj_b and in_proj_a quantized (the kernel packs 16 rows)
     wide = {"linear_num_value_heads": 16} if arch == "qwen3_next" else {}
     write_like_llama_cpp(_reference(arch, **wide), path, quantized=QT.Q8_0)
-    requantized = "out_proj" if arch == "qwen3_5_moe" else None
-    model_dir = resolve_model(str(path))
-    from_gguf, _, _ = load_model(str(model_dir), quantization=mode)
-    dense, _, _ = load_model(str(model_dir))
-    linears = nn.Linear | PackedLinear  # packed by oneDNN where specserve's kernels are not built
-    fp32 = {name: m.weight.clone() for name, m in dense.named_modules() if isinstance(m, linears)}
-    assert quantize_model(dense, mode) > 0
-    layers = dict(from_gguf.named_modules())
-    checked = set()
-    for name, module in dense.named_modules():
-        if isinstance(module, Int8Linear | Int4Linear) and not name.endswith((".coarse", ".residual")):
-            layer = layers[name]
-            assert type(layer) is type(module), name
-            if mode == "int8" and name.rpartition(".")[2] != requantized:  # the file's codes, d in bf16
-                value = fp32[name]
-                assert ((layer.weight - value).abs() <= 2**-8 * value.abs()).all(), name
-            else:
-                assert torch.equal(layer.weight, module.weight), name
-            checked.add(name.rpartition(".")[2])
+    requantized = {"out_proj"} if arch == "qwen3_5_moe" else set()
+    _, _, checked = assert_quantized_loading_is_quantizing_the_conversion(path, mode, requantized)
     assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "down_proj"} <= checked
     assert not wide or {"in_proj_b", "in_proj_a"} <= checked
-    llm = LLM(str(path), quantization=mode, max_model_len=64, kv_cache_memory="16MiB")
-    out = llm.generate([[1, 5, 9, 2]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 6
 
 
 def test_the_engine_serves_a_qwen3_next_file_as_transformers(tmp_path, specserve_cache):
