@@ -32,6 +32,7 @@ import torch
 
 from specserve.cache_dir import cache_root, file_lock
 from specserve.config import SpecserveError
+from specserve.models.gguf_header import GGUFHeader
 from specserve.models.gguf_tensors import (
     HYBRID_ARCHS,
     CheckpointTensor,
@@ -150,10 +151,9 @@ def eos_token_ids(meta: Meta) -> list[int]:
     tokens_field = meta.fields.get("tokenizer.ggml.tokens")
     types_field = meta.fields.get("tokenizer.ggml.token_type")
     if tokens_field is not None and types_field is not None:
-        types = types_field.contents()
-        for i, t in enumerate(types):
-            if t in (_CONTROL, _USER_DEFINED) and tokens_field.contents(i) in _EOG_TEXTS and i not in out:
-                out.append(i)
+        marked = [i for i, t in enumerate(types_field.contents()) if t in (_CONTROL, _USER_DEFINED)]
+        tokens = tokens_field.contents() if marked else []  # a lazy reader walks the whole array per read
+        out += [i for i in marked if tokens[i] in _EOG_TEXTS and i not in out]
     return out
 
 
@@ -535,8 +535,6 @@ def convert_gguf(
     Written into a temporary sibling directory and renamed into place at the end; a lock file keeps two
     processes from converting the same output at once (the second one then finds the finished directory).
     """
-    from gguf import GGUFReader
-
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
@@ -551,8 +549,8 @@ def convert_gguf(
         start = time.perf_counter()
         say(f"converting {gguf_path.name} to {out_dir} (once; later loads reuse it)")
         try:
-            reader = GGUFReader(str(gguf_path))
-        except Exception as exc:  # the gguf package raises bare ValueError/struct errors on junk
+            reader = GGUFHeader(gguf_path)
+        except Exception as exc:  # struct errors on a header cut short, as well as ours
             raise SpecserveError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
         meta = Meta(reader)
         config = build_hf_config(reader)
@@ -612,9 +610,7 @@ def unwritten_weights_source(model_dir: Path) -> Path | None:
 def iter_gguf_tensors(gguf_path: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint tensors whose names start with `prefix`, read from the GGUF: dequantized, in fp32, the
     converter's transforms undone; stacked experts come one per expert (as `load_weights` takes them)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
+    reader = GGUFHeader(gguf_path)
     plan = [p for p in plan_tensors(reader) if p.hf_name.startswith(prefix)]
     for p, arr in iter_converted(reader, plan):
         yield p.hf_name, torch.from_numpy(arr)
@@ -626,8 +622,6 @@ def ensure_fp32_weights(model_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHAR
     info = _marker(model_dir)
     if info is None or info.get("fp32_weights", True):  # conversions before this field wrote them at once
         return
-    from gguf import GGUFReader
-
     with file_lock(model_dir.parent / f".{model_dir.name}.lock"):
         info = _marker(model_dir)
         if info.get("fp32_weights", True):  # another process wrote them meanwhile
@@ -640,7 +634,7 @@ def ensure_fp32_weights(model_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHAR
             f"[specserve] writing the fp32 weights of {source.name} (once; later loads reuse them)",
             flush=True,
         )
-        reader = GGUFReader(str(source))
+        reader = GGUFHeader(source)
         plan = plan_tensors(reader)
         tmp = model_dir / f".weights.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()

@@ -16,6 +16,7 @@ first), u32 type, u64 data offset (from the start of the data section, which fol
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from specserve.config import SpecserveError
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
 _SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_F32 = 0  # tensor type
+# tensor types whose data are plain values (GGUFReader's choice; the others are blocks, read as bytes)
+_PLAIN = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 _ALIGNMENT = 32  # of the data section, where `general.alignment` does not say
 _BLOCK = 4 << 20  # bytes read at a time
 
@@ -47,6 +49,9 @@ class _Stream:
         self.size = total
         self.pos = 0
         self._buffer, self._buffer_start = b"", 0
+        self.mapped: np.memmap | None = (
+            None  # the file's memory map, once tensor data is read (one file only)
+        )
 
     def _fill(self, at: int, n: int) -> None:
         """Make bytes [at, at + n) readable from the buffer (reading at least a block)."""
@@ -77,6 +82,18 @@ class _Stream:
     def string(self) -> str:
         return self.read(self.unpack("<Q")).decode("utf-8", errors="replace")
 
+    def array(self, start: int, nbytes: int) -> np.ndarray:
+        """Bytes [start, start + nbytes) as uint8: a read-only view of the memory-mapped file, or, from a
+        model's chunks (small tensors read before loading), a copy."""
+        if len(self.paths) > 1:
+            self.pos = start
+            return np.frombuffer(self.read(nbytes), dtype=np.uint8)
+        if self.mapped is None:
+            self.mapped = np.memmap(self.paths[0], mode="r")
+        if start + nbytes > self.size:
+            raise SpecserveError(f"{self.paths[0]}: tensor data past the end of the file (a truncated file?)")
+        return self.mapped[start : start + nbytes]
+
 
 @dataclass
 class HeaderField:
@@ -106,12 +123,17 @@ class HeaderTensor:
 
     @property
     def data(self) -> np.ndarray:
-        """An F32 tensor's values, flat (a setting the converter stored as a tensor: Gemma 4's RoPE factors);
-        larger and quantized tensors are the loaders', from the file itself."""
-        if self.tensor_type != _F32:
-            raise SpecserveError(f"GGUF header: {self.name} is not F32 (type {self.tensor_type})")
-        self.stream.pos = self.start
-        return np.frombuffer(self.stream.read(4 * math.prod(self.shape)), dtype="<f4")
+        """The tensor's data as GGUFReader gives it: plain types (F32, F16, integers) as their values, shaped
+        outermost-first; block-quantized ones as raw bytes [..., rows, row bytes]."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        kind = GGMLQuantizationType(self.tensor_type)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        shape = [int(d) for d in reversed(self.shape)]
+        raw = self.stream.array(self.start, math.prod(shape) // block * block_bytes)
+        if kind.name in _PLAIN:
+            return raw.view(_PLAIN[kind.name]).reshape(shape)
+        return raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
 
 
 def _value(stream: _Stream, value_type: int) -> Any:
@@ -137,7 +159,7 @@ class GGUFHeader:
     """`fields` and `tensors` of a GGUF file, given as its path or its chunks' paths in part order."""
 
     def __init__(self, paths: Path | Sequence[Path]):
-        stream = _Stream([paths] if isinstance(paths, str | Path) else paths)
+        self.stream = stream = _Stream([paths] if isinstance(paths, str | Path) else paths)
         self.source = stream.paths[0]
         if stream.size < 24 or stream.read(4) != b"GGUF":
             raise SpecserveError(f"{self.source} is not a GGUF file (no GGUF magic)")
@@ -169,3 +191,10 @@ class GGUFHeader:
     def get(self, key: str, default: Any = None) -> Any:
         field = self.fields.get(key)
         return default if field is None else field.contents()
+
+    def release_pages(self) -> None:
+        """Take the file's pages read so far out of this process's resident memory (the page cache keeps them,
+        so a later read costs a minor fault): a memory map's pages count as the process's own until it is
+        unmapped, which would add the whole file to the peak of a load."""
+        if self.stream.mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.stream.mapped._mmap.madvise(mmap.MADV_DONTNEED)

@@ -9,7 +9,6 @@ put back (Qwen3.5's out_proj) cross them, so that weight is requantized.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from specserve.layers.quant import (
     quantize_row_blocks,
     replace_module,
 )
+from specserve.models.gguf_header import GGUFHeader
 from specserve.models.gguf_tensors import PlannedTensor, dequantized_row_blocks, iter_converted, plan_tensors
 
 # ------------------------------------------------------------------------------------- quantized loading
@@ -78,7 +78,9 @@ def quantized_linear_from_gguf(
 ) -> QuantizedLinear:
     """The quantized layer for one GGUF linear weight: from its blocks (rows put in order) when the format
     maps onto the mode and no column moves, else dequantized and requantized a block of rows at a time."""
-    kind = tensor.tensor_type.name
+    from gguf import GGMLQuantizationType
+
+    kind = GGMLQuantizationType(tensor.tensor_type).name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
     if (rows := plan.row_index(raw.shape[0])) is not None:  # whole rows move: the blocks stay as they are
         raw = raw[rows]
@@ -105,10 +107,9 @@ def load_quantized(
 
     A replaced layer's fp32 weight is never written, so (allocated uninitialised) it never takes memory.
     Layers the file does not hold (a head tied to the embedding) are left for `quantize_model`."""
-    from gguf import GGUFReader
     from tqdm.auto import tqdm
 
-    reader = GGUFReader(str(gguf_path))
+    reader = GGUFHeader(gguf_path)
     plan = plan_tensors(reader)
     targets = {f"{n}.weight": names for names in quantizable_linears(model, mode) for n in names}
     rest = []
@@ -122,24 +123,15 @@ def load_quantized(
         bias = model.get_submodule(names[0]).bias
         layer = quantized_linear_from_gguf(reader.tensors[p.source], p, mode, bias, use_kernel)
         replace_module(model, names, layer)
-        release_pages(reader)
+        reader.release_pages()
     return _as_tensors(reader, iter_converted(reader, rest))
 
 
 def _as_tensors(
-    reader, arrays: Iterator[tuple[PlannedTensor, np.ndarray]]
+    reader: GGUFHeader, arrays: Iterator[tuple[PlannedTensor, np.ndarray]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The arrays as tensors for `load_weights`, which adopts those it can: an F32 tensor straight from the
     read-only memory map is copied."""
     for p, arr in arrays:
         yield p.hf_name, torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        release_pages(reader)
-
-
-def release_pages(reader) -> None:
-    """Take the file's pages read so far out of this process's resident memory (the page cache keeps them,
-    so a later read costs a minor fault): a memory map's pages count as the process's own until it is
-    unmapped, which would add the whole file to the peak of a load."""
-    mapped = getattr(reader.data, "_mmap", None)
-    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mapped.madvise(mmap.MADV_DONTNEED)
+        reader.release_pages()

@@ -427,7 +427,7 @@ DEQUANTIZE_ROWS = 4096  # rows dequantized at once: gguf's numpy dequantizers ho
 def dequantize_tensor(tensor) -> np.ndarray:
     """A GGUF tensor as float32 in HF (row-major, outermost-first) shape, in an array of its own (no view of
     the file), dequantized a block of rows at a time so that the temporaries stay small."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(int(d) for d in reversed(list(tensor.shape)))
     # torch's allocator: aligned as a parameter of its own would be, so that loading can adopt it
     out = torch.empty(math.prod(shape[:-1]), shape[-1]).numpy()
     start = 0
@@ -439,8 +439,10 @@ def dequantize_tensor(tensor) -> np.ndarray:
 
 def dequantized_row_blocks(raw: np.ndarray, tensor_type) -> Iterator[np.ndarray]:
     """A GGUF tensor's (or an expert's) rows as float32 [rows, columns] blocks of DEQUANTIZE_ROWS each."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    tensor_type = GGMLQuantizationType(tensor_type)
     rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw[None]
     for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
         block = rows[start : start + DEQUANTIZE_ROWS]
