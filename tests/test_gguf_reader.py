@@ -9,6 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from specserve.config import SpecserveError
+from specserve.models import local_models
 from specserve.models.gguf_header import GGUFHeader
 from tests.gguf_files import finish
 
@@ -77,3 +78,19 @@ def test_truncated_tensor_data_is_an_error(tmp_path):
         fh.truncate(header.tensors[-1].start + 8)
     with pytest.raises(SpecserveError, match="past the end"):
         _ = GGUFHeader(path).tensors[-1].data
+
+
+@pytest.mark.slow  # needs the local-models extra; assembles each file into the cache on first use
+@pytest.mark.parametrize("name", sorted(local_models.LOCAL_MODELS))
+def test_local_models_tensor_data_is_the_readers(name):
+    """The real files (F32, Q4_K, Q5_0, Q6_K, Q8_0 tensors): every tensor's bytes as GGUFReader reads them."""
+    path = local_models.ensure_gguf(name)
+    reader, header = gguf.GGUFReader(str(path)), GGUFHeader(path)
+    assert len(header.tensors) == len(reader.tensors)
+    for ours, theirs in zip(header.tensors, reader.tensors):
+        assert (ours.name, ours.tensor_type, ours.data.shape) == (
+            theirs.name,
+            theirs.tensor_type,
+            theirs.data.shape,
+        )
+        assert np.array_equal(ours.data.view(np.uint8), theirs.data.view(np.uint8)), ours.name

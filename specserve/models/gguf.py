@@ -9,9 +9,10 @@ safetensors. A quantized load reads the GGUF itself (below) and never needs them
 mixture of experts (18 GB) would otherwise first become 120 GB of fp32 on disk.
 
 The GGUF's tensors in checkpoint terms (names; llama.cpp's transforms, undone) are `models/gguf_tensors.py`'s;
-quantized loading, which reads the file's blocks, is `models/gguf_quantized.py`'s. Parsing a GGUF with
-`GGUFReader` costs 7-11 s here (it walks the 150k-260k token strings), so a conversion parses once; cached
-directories are found without opening the GGUF at all.
+quantized loading, which reads the file's blocks, is `models/gguf_quantized.py`'s. The file is read through
+`models/gguf_header.py`'s lazy reader (no walk over the 150k-260k token strings, which costs `GGUFReader`
+7-11 s here; transformers still makes one, building the tokenizer); cached directories are found without
+opening the GGUF at all.
 """
 
 from __future__ import annotations

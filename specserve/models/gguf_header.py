@@ -1,11 +1,12 @@
-"""A GGUF file's header (its key/values and tensor list) read without its tensor data, from the file or from
-the chunks a local model ships it in, before they are assembled.
+"""A GGUF file read lazily: its key/values and tensor list parsed, arrays skipped over and read only when
+asked for, each tensor's data a view of the memory-mapped file at its offset (or, from the chunks a local
+model ships it in, before they are assembled, a copy of the bytes). Every load path reads GGUFs through
+it: `GGUFReader` parses every array element up front (7-11 s for a Qwen file's 150k token strings), and
+only transformers, building the tokenizer (`models/gguf.py`), still does.
 
-Checks made before loading (`specserve/preflight.py`) need the model's configuration: `build_hf_config` in
-`models/gguf.py` reads it off any object with GGUFReader's `fields` (each with `contents()`) and `tensors`
-(each with `name` and `shape`; Gemma 4's RoPE factors also with `tensor_type` and `data`), which this one
-has. `GGUFReader` itself parses every array element up front
-(7-11 s for a Qwen file's 150k token strings); here arrays are skipped over and read only when asked for.
+It has what the load paths use of GGUFReader's: `fields` (each with `contents()`) and `tensors` (each with
+`name`, `shape` innermost-first, `tensor_type` as ggml numbers it and `data` as GGUFReader gives it), and
+`release_pages`.
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 key/value count; each
 key/value: string key, u32 type, value (a string is a u64 length and bytes; an array a u32 element type, a
