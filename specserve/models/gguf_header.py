@@ -50,9 +50,8 @@ class _Stream:
         self.size = total
         self.pos = 0
         self._buffer, self._buffer_start = b"", 0
-        self.mapped: np.memmap | None = (
-            None  # the file's memory map, once tensor data is read (one file only)
-        )
+        # the file's memory map, once tensor data is read (one file only)
+        self.mapped: np.memmap | None = None
 
     def _fill(self, at: int, n: int) -> None:
         """Make bytes [at, at + n) readable from the buffer (reading at least a block)."""
