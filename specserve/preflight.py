@@ -5,9 +5,11 @@ converting, for a GGUF not converted yet).
 What is checked: the model reference (local name, path, .gguf, hub id) and its architecture; tensor
 parallelism against the head counts; `max_model_len` against the model's context; the KV budget against
 `max_model_len` (the engine's own plan for the target's caches, on the model built on the meta device);
-quantization against the architecture (some linear layer must take it); the drafter: a draft model's
-name, vocabulary and tokenizer against the target's, a drafter checkpoint's presence, MTP's target and
-weights, the draft length a hybrid target can verify.
+quantization against the architecture (some linear layer must take it); on the CPU, the weights as loaded
+(quantized or not) and the cache budget against the machine's memory (RAM and swap, or a cgroup's limit):
+a model that cannot fit at all is refused, not killed by the kernel minutes into its load; the drafter: a
+draft model's name, vocabulary and tokenizer against the target's, a drafter checkpoint's presence, MTP's
+target and weights, the draft length a hybrid target can verify.
 
 `LLMEngine.from_args` runs these checks before it builds the engine (so `LLM`, the server and the
 benchmarks), and the CLI before it imports the engine. A hub model that is not cached yet is checked once
@@ -92,6 +94,8 @@ def check_before_loading(config: EngineConfig, speculative_config: SpeculativeCo
             budget_text=f"kv_cache_memory={config.kv_cache_memory!r}",
         )
     _check_quantization(skeleton, config.quantization, config.model)
+    if not config.platform.is_cuda:
+        _check_host_memory(skeleton, config)
     _check_drafter(speculative_config, target_files, text, skeleton, config)
 
 
@@ -113,6 +117,68 @@ def _check_quantization(skeleton, mode: str | None, model: str) -> None:
             f"quantization {mode!r} applies to no linear layer of {model} (the kernels take weights with "
             "16 | out_features and a group size dividing in_features); drop --quantization"
         )
+
+
+# Bits a weight of a quantized layer holds at least (int4: Q4_K's 4.5; int8: Q8_0's 8.5): an estimate that
+# errs low, so that only a model that cannot fit is refused.
+_QUANTIZED_BITS = {"int4": 4.5, "int8": 8.5}
+
+
+def weight_bytes(skeleton, quantization: str | None, dtype) -> int:
+    """What `skeleton`'s weights take once loaded: its quantized layers' (`quantization`) at their bits, the
+    other parameters in `dtype` (a tied one once)."""
+    import torch
+
+    from specserve.layers.quant import quantizable_linears
+
+    quantized = set()
+    if quantization is not None:
+        for names in quantizable_linears(skeleton, quantization):
+            quantized.add(id(skeleton.get_submodule(names[0]).weight))
+    size, tied, total = torch.empty((), dtype=dtype).element_size(), skeleton.tied_parameter_names(), 0.0
+    for name, p in skeleton.named_parameters():
+        if name not in tied:
+            total += p.numel() * (_QUANTIZED_BITS[quantization] / 8 if id(p) in quantized else size)
+    return int(total)
+
+
+def host_memory_bytes() -> int | None:
+    """The most memory this process can have: RAM and swap (/proc/meminfo), or its cgroup's limit where
+    lower; None where neither can be read."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        fields = (line.split(":", 1) for line in lines if ":" in line)
+        kib = {key: int(value.split()[0]) for key, value in fields}
+        total = (kib["MemTotal"] + kib.get("SwapTotal", 0)) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _check_host_memory(skeleton, config: EngineConfig) -> None:
+    """Weights (every tensor-parallel rank's) and the cache budget that exceed all of the machine's memory."""
+    import torch
+
+    available = host_memory_bytes()
+    if available is None:
+        return
+    ranks, dtype, mode = config.tensor_parallel_size, config.torch_dtype, config.quantization
+    weights = weight_bytes(skeleton, mode, dtype) * ranks
+    if weights + (config.kv_cache_bytes or 0) <= available:
+        return
+    gib, way_out = 2**30, "a smaller model"
+    int4 = weight_bytes(skeleton, "int4", torch.float32) * ranks  # int4 computes in fp32
+    if mode != "int4" and int4 < weights:
+        way_out = f"--quantization int4 (~{int4 / gib:.1f} GiB), or {way_out}"
+    raise SpecserveError(
+        f"{config.model}: its weights take ~{weights / gib:.1f} GiB as loaded ({mode or config.dtype}), and "
+        f"the caches {(config.kv_cache_bytes or 0) / gib:.1f} GiB: more than this machine's memory "
+        f"({available / gib:.1f} GiB of RAM and swap); use {way_out}"
+    )
 
 
 def _check_drafter(

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import gguf
 import pytest
+import torch
 import transformers
 
-from specserve import LLM
+from specserve import LLM, preflight
 from specserve.cli import main
 from specserve.config import EngineConfig, SpecserveError, SpeculativeConfig
 from specserve.models.gguf import build_hf_config
 from specserve.models.gguf_header import GGUFHeader
-from specserve.preflight import check_before_loading
+from specserve.models.registry import model_skeleton
+from specserve.preflight import check_before_loading, host_memory_bytes, weight_bytes
 from tests.test_loader import write_tiny_gguf
 
 pytestmark = pytest.mark.kernel_agnostic
@@ -246,3 +248,36 @@ def test_serve_on_a_taken_port_fails_before_loading(tiny, capsys):
         port = taken.getsockname()[1]
         assert main(["serve", str(tiny), "--port", str(port)]) == 2
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_are_the_loaded_parameters(tied):
+    config = transformers.Qwen2Config(**TINY, tie_word_embeddings=tied)
+    parameters = transformers.AutoModelForCausalLM.from_config(config).num_parameters()  # a tied one once
+    skeleton = model_skeleton(config)
+    assert weight_bytes(skeleton, None, torch.float32) == 4 * parameters
+    assert weight_bytes(skeleton, None, torch.bfloat16) == 2 * parameters
+    linears = sum(m.weight.numel() for m in skeleton.modules() if isinstance(m, torch.nn.Linear))
+    # int8 quantizes every linear layer but the head (tied, the head is the embedding)
+    body = linears - TINY["vocab_size"] * TINY["hidden_size"]
+    int8 = weight_bytes(skeleton, "int8", torch.float32)
+    assert int8 == int(4 * (parameters - body) + 8.5 / 8 * body)
+
+
+def test_weights_that_cannot_fit_in_memory_are_refused(big, monkeypatch):
+    """The 1.5B's fp32 weights (~6.6 GiB) on a machine of 4 GiB: refused before loading, naming int4's ~1.7
+    GiB; int4 then passes the check, and on 1 GiB nothing fits."""
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 4 * 2**30)
+    fp32 = r"its weights take ~6\.\d GiB as loaded \(float32\), and the caches 0\.5 GiB"
+    with pytest.raises(
+        SpecserveError, match=fp32 + r".*\(4\.0 GiB of RAM and swap\); use --quantization int4"
+    ):
+        LLM(model=str(big), dtype="float32", kv_cache_memory="512MiB")
+    check_before_loading(EngineConfig(model=str(big), quantization="int4", kv_cache_memory="512MiB"))
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**30)
+    with pytest.raises(SpecserveError, match=r"\(int4\).*; use a smaller model$"):
+        check_before_loading(EngineConfig(model=str(big), quantization="int4", kv_cache_memory="512MiB"))
+
+
+def test_host_memory_is_read():
+    assert host_memory_bytes() > 2**30  # any machine that runs the suite
