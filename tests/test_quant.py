@@ -349,7 +349,7 @@ def assert_int4_from_blocks(layer: Int4Linear, expected: torch.Tensor, q4_k: boo
 def test_int4_layer_from_q4_blocks(qtype, use_kernel, monkeypatch):
     rng = np.random.default_rng(1)
     raw = gguf_blocks(qtype, rng.standard_normal((64, 256)).astype(np.float32), rng)
-    tensor = SimpleNamespace(tensor_type=qtype, data=raw)
+    tensor = SimpleNamespace(ggml_type=qtype, data=raw)
     plan = gguf_tensors.PlannedTensor("w", (64, 256), 0)
     monkeypatch.setenv(kernels.ENV_VAR, "0" if use_kernel else "1")
     layer = gguf_quantized.quantized_linear_from_gguf(tensor, plan, "int4", None)

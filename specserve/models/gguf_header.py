@@ -122,12 +122,20 @@ class HeaderTensor:
     start: int = 0  # where its data begins in the file (set once the data section's start is known)
 
     @property
+    def ggml_type(self):
+        """`tensor_type` as the gguf package's enum (the number stays an int: the checks before loading read
+        headers without importing that package)."""
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensor_type)
+
+    @property
     def data(self) -> np.ndarray:
         """The tensor's data as GGUFReader gives it: plain types (F32, F16, integers) as their values, shaped
         outermost-first; block-quantized ones as raw bytes [..., rows, row bytes]."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGML_QUANT_SIZES
 
-        kind = GGMLQuantizationType(self.tensor_type)
+        kind = self.ggml_type
         block, block_bytes = GGML_QUANT_SIZES[kind]
         shape = [int(d) for d in reversed(self.shape)]
         raw = self.stream.array(self.start, math.prod(shape) // block * block_bytes)

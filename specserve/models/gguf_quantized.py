@@ -78,9 +78,7 @@ def quantized_linear_from_gguf(
 ) -> QuantizedLinear:
     """The quantized layer for one GGUF linear weight: from its blocks (rows put in order) when the format
     maps onto the mode and no column moves, else dequantized and requantized a block of rows at a time."""
-    from gguf import GGMLQuantizationType
-
-    kind = GGMLQuantizationType(tensor.tensor_type).name
+    kind = tensor.ggml_type.name
     raw = tensor.data if plan.expert is None else tensor.data[plan.expert]
     if (rows := plan.row_index(raw.shape[0])) is not None:  # whole rows move: the blocks stay as they are
         raw = raw[rows]
@@ -93,7 +91,7 @@ def quantized_linear_from_gguf(
         return Int4Linear(decode_q4_k(raw), bias, use_kernel)
     blocks = (
         torch.from_numpy(block if columns is None else block[:, columns])
-        for block in dequantized_row_blocks(raw, tensor.tensor_type)
+        for block in dequantized_row_blocks(raw, tensor.ggml_type)
     )
     return quantize_row_blocks(blocks, plan.shape, bias, mode, use_kernel=use_kernel)
 

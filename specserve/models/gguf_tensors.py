@@ -431,22 +431,20 @@ def dequantize_tensor(tensor) -> np.ndarray:
     # torch's allocator: aligned as a parameter of its own would be, so that loading can adopt it
     out = torch.empty(math.prod(shape[:-1]), shape[-1]).numpy()
     start = 0
-    for block in dequantized_row_blocks(tensor.data, tensor.tensor_type):
+    for block in dequantized_row_blocks(tensor.data, tensor.ggml_type):
         out[start : start + len(block)] = block
         start += len(block)
     return out.reshape(shape)
 
 
-def dequantized_row_blocks(raw: np.ndarray, tensor_type) -> Iterator[np.ndarray]:
+def dequantized_row_blocks(raw: np.ndarray, ggml_type) -> Iterator[np.ndarray]:
     """A GGUF tensor's (or an expert's) rows as float32 [rows, columns] blocks of DEQUANTIZE_ROWS each."""
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    tensor_type = GGMLQuantizationType(tensor_type)
     rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw[None]
     for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
         block = rows[start : start + DEQUANTIZE_ROWS]
-        yield np.array(dequantize(block, tensor_type), dtype=np.float32).reshape(len(block), -1)  # a copy
+        yield np.array(dequantize(block, ggml_type), dtype=np.float32).reshape(len(block), -1)  # a copy
 
 
 def iter_converted(reader, plan: list[PlannedTensor]) -> Iterator[tuple[PlannedTensor, np.ndarray]]:
