@@ -16,8 +16,9 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from specserve.layers.linear import onednn_available
-from specserve.models.gemma import GemmaExperts, GemmaForCausalLM
+from specserve.layers.linear import onednn_available, pack_linears
+from specserve.layers.moe import split_fused_experts
+from specserve.models.gemma import GemmaForCausalLM
 from specserve.models.loader import load_model
 from specserve.models.registry import build_model
 from tests.paged_harness import PagedHarness
@@ -290,10 +291,11 @@ def test_tied_head_is_batch_invariant(arch, tiny_model_dir):
 def test_moe_experts_are_batch_invariant():
     """An expert's row count changes with the batch: each row must come out the same at any count."""
     config = gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    experts = GemmaExperts(config)
+    experts = GemmaForCausalLM(config).model.layers[0].experts  # the model's own, fp32: one call per expert
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(6))
+    assert pack_linears(experts) == 3 * config.num_experts  # as a load places them
 
     def layer(x):  # a routing of each row by its own values, so that it is the same alone and in a batch
         top = x[:, : config.num_experts].topk(config.top_k_experts)
@@ -303,9 +305,11 @@ def test_moe_experts_are_batch_invariant():
 
 
 @needs_onednn
-def test_greedy_speculation_equals_greedy_decoding(tmp_path):
+@pytest.mark.parametrize("mode", [None, "int4"])
+def test_greedy_speculation_equals_greedy_decoding(mode, tmp_path):
     """Gemma 4 with sliding windows, a MoE block and a tied head whose rows pair up 2^-22 apart (relative),
-    so that logits tie to within rounding: ngram speculation must emit the tokens decoding does."""
+    so that logits tie to within rounding: ngram speculation must emit the tokens decoding does; int4 too,
+    its experts in grouped kernel calls."""
     config = CONFIGS["gemma4_moe"]()
     hf = Gemma4ForCausalLM(config).eval()
     perturb(hf, seed=7)
@@ -315,7 +319,7 @@ def test_greedy_speculation_equals_greedy_decoding(tmp_path):
         embed[1::2] = embed[0::2] * (1 + 2**-22 * noise)
     hf.generation_config.eos_token_id = None
     hf.save_pretrained(tmp_path)
-    assert_greedy_speculation_is_exact(str(tmp_path), None)
+    assert_greedy_speculation_is_exact(str(tmp_path), mode)
 
 
 # Layouts of released models (dims as published, vocab cut) checked on the meta device: names and shapes of
@@ -389,7 +393,8 @@ def test_released_layouts_match_hf_tensors(name):
     hf_cls = Gemma4ForCausalLM if config.model_type == "gemma4_text" else Gemma3ForCausalLM
     with torch.device("meta"):
         hf, ours = hf_cls(config), GemmaForCausalLM(config)
-    want = {k: v.shape for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: not saved
+    saved = ((k, v) for k, v in hf.state_dict().items() if k != "lm_head.weight")  # tied: not saved
+    want = {k: v.shape for k, v in split_fused_experts(saved)}  # the experts as the loader hands them over
     assert {k: v.shape for k, v in ours.state_dict().items()} == want
     # The attention modules' flags, not config.kv_sharing_modes: transformers 5.10 has no such property.
     attns = [layer.self_attn for layer in hf.model.layers]

@@ -19,6 +19,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from specserve import LLM, SamplingParams
+from specserve.layers import kernels
+from specserve.layers.moe import Experts
+from specserve.layers.quant import QuantizedLinear
 from tests.gguf_files import (
     PROMPT,
     add_tensor,
@@ -288,18 +291,22 @@ def test_the_conversion_is_the_checkpoint(name, tmp_path, specserve_cache):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_loading_takes_the_files_blocks(name, mode, tmp_path, specserve_cache):
     """Q8_0 matrices (the per-layer inputs' and the experts' among them): int8 keeps the file's codes, int4
-    requantizes them; every quantized layer is the one quantizing the fp32 conversion gives, the experts and
-    the per-layer embedding (no linear layers) are the conversion's tensors, and the engine generates from
-    the file."""
+    requantizes them; every quantized layer is the one quantizing the fp32 conversion gives (each expert's
+    gate and up from its rows of the file's fused gate|up tensor; then stacked for grouped calls), the
+    per-layer embedding (no linear layer) is the conversion's tensor, and the engine generates from the
+    file."""
     path = tmp_path / "q8.gguf"
     write_like_llama_cpp(_reference(name), path, quantized=QT.Q8_0)
     from_gguf, dense, checked = assert_quantized_loading_is_quantizing_the_conversion(path, mode, {"lm_head"})
     assert {"q_proj", "o_proj", "down_proj"} <= checked
     assert name != "dense" or "per_layer_model_projection" in checked
-    rest = {
-        key: p for key, p in dense.named_parameters() if "experts" in key or "embed_tokens_per_layer" in key
-    }
-    assert rest
+    experts = [m for m in from_gguf.modules() if isinstance(m, Experts)]
+    assert len(experts) == (from_gguf.config.num_hidden_layers if name == "moe" else 0)
+    for layer in experts:  # grouped calls on specserve's kernels
+        assert all(isinstance(e.gate_proj, QuantizedLinear) for e in layer)
+        assert (layer.stacks is not None) == (kernels.ops() is not None)
+    rest = {key: p for key, p in dense.named_parameters() if "embed_tokens_per_layer" in key}
+    assert name != "dense" or rest
     for key, value in from_gguf.named_parameters():
         if key in rest:
             assert torch.equal(value, rest.pop(key)), key

@@ -156,28 +156,23 @@ def test_a_shared_expert_of_the_routed_shape_runs_in_their_grouped_calls(arch, s
 
 def test_experts_in_grouped_matmuls_match_their_loop(tiny_model_dir):
     """The GPU's path (`use_grouped_mm`, run here on the CPU): two `torch._grouped_mm` calls a layer over
-    the experts' stacked weights (views: Qwen's experts re-pointed at them, Gemma 4's own 3-D tensors),
-    no host read, so the model's steps may be captured; against the loop within fp32 rounding."""
-    from types import SimpleNamespace
-
-    from specserve.models.gemma import GemmaExperts
+    the experts' stacked weights (views: the experts re-pointed at them), no host read, so the model's
+    steps may be captured; against the loop within fp32 rounding. Qwen's experts and Gemma 4's (gelu)."""
+    from specserve.models.gemma import GemmaForCausalLM
     from specserve.worker.cuda_graphs import graph_refusal
+    from tests.test_gemma import CONFIGS
 
     model, _, _ = load_model(str(tiny_model_dir("qwen3_moe")))
     assert "experts" in graph_refusal(model)
-    gemma = SimpleNamespace(num_experts=6, hidden_size=64, moe_intermediate_size=32, hidden_activation="gelu")
-    layers = [*experts_of(model), GemmaExperts(gemma)]
+    gemma = GemmaForCausalLM(CONFIGS["gemma4_moe"]()).model.layers[0].experts
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in layers[-1].parameters():
+        for p in gemma.parameters():
             p.normal_(0, 0.1, generator=g)
+    layers = [*experts_of(model), gemma]
+    assert gemma[0].act is not layers[0][0].act
     for experts in layers:
-        stacked = experts.gate_up_proj if isinstance(experts, GemmaExperts) else None
-        num, hidden = (
-            (len(stacked), stacked.shape[2])
-            if stacked is not None
-            else (len(experts), experts[0].down_proj.out_features)
-        )
+        num, hidden = len(experts), experts[0].down_proj.out_features
         cases = []
         for m in (1, 5, 9, 37):
             x = torch.randn(m, hidden, generator=g)
@@ -186,8 +181,7 @@ def test_experts_in_grouped_matmuls_match_their_loop(tiny_model_dir):
         assert experts.reads_host
         experts.use_grouped_mm()
         assert not experts.reads_host
-        if stacked is None:
-            assert storage(experts[1].up_proj.weight) == storage(experts.dense[0])  # views, not copies
+        assert storage(experts[1].up_proj.weight) == storage(experts.dense[0])  # views, not copies
         for x, weights, ids, looped in cases:
             got = experts(x, weights, ids)
             assert got.shape == looped.shape and torch.allclose(got, looped, rtol=1e-5, atol=1e-6), len(x)

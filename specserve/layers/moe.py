@@ -11,6 +11,8 @@ token. Both give each row bitwise the same result (the kernels are row-invariant
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -66,10 +68,31 @@ def grouped_mlp(
 ) -> torch.Tensor:
     """Gated MLPs of E experts over rows sorted by expert (counts[e] each), in two grouped matmuls
     (`torch._grouped_mm`: group sizes read on the device, so a GPU step is not held up by the host and can
-    be captured in a graph). gate_up [E, 2I, H] (gate | up), down [E, H, I], as Gemma 4 stores them."""
+    be captured in a graph). gate_up [E, 2I, H] (gate | up), down [E, H, I], as transformers v5 holds them."""
     offsets = counts.cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     return torch._grouped_mm(activate(gate, up).contiguous(), down.transpose(1, 2), offs=offsets)
+
+
+def split_fused_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with each fused 3-D expert tensor as `Experts` names them, one per expert:
+    transformers v5 holds experts fused (`experts.gate_up_proj` [E, 2I, H], gate rows then up rows;
+    `experts.down_proj` [E, H, I]), as Gemma 4's and Qwen3.5-MoE's checkpoints store them; older Qwen
+    checkpoints store one tensor per expert, which pass as they are."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("experts") or leaf not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+        elif leaf == "down_proj":
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+        else:
+            for e in range(tensor.shape[0]):
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
 
 
 def _compiled(x: torch.Tensor, ids: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -83,7 +106,8 @@ def _compiled(x: torch.Tensor, ids: torch.Tensor, *others: torch.Tensor) -> bool
 
 
 class Experts(nn.ModuleList):
-    """Expert MLPs, named `{e}.gate_proj.weight` etc. as in HF checkpoints."""
+    """Expert MLPs, named `{e}.gate_proj.weight` etc. as in HF checkpoints (fused 3-D checkpoint tensors
+    are split by `split_fused_experts`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__(GatedMLP(hidden_size, intermediate_size, act) for _ in range(num_experts))
@@ -116,7 +140,8 @@ class Experts(nn.ModuleList):
             y = grouped_mlp(rows, counts, *self.dense, self[0].activate)
         else:
             y = self._looped(rows, counts.tolist())
-        out = combine(y.to(x.dtype), weights, ids, slots)
+        # fp32 routing weights (Gemma 4's) give fp32 terms, summed in fp32
+        out = combine(y.to(x.dtype), weights, ids, slots).to(x.dtype)
         if shared is not None:
             expert, gate = shared
             out = out + gate * expert(x)

@@ -14,7 +14,7 @@ One class covers both families; the differences are read from the config. transf
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +22,9 @@ from torch import nn
 
 from specserve.layers.attention import AttentionBackend, KVCache, sdpa_paged_attention
 from specserve.layers.fusion import project
-from specserve.layers.linear import batch_invariant_linear
 from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP, activation
-from specserve.layers.moe import combine, dispatch, grouped_mlp
+from specserve.layers.moe import Experts, split_fused_experts
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.base import CausalLM, LayerCacheSpec
@@ -173,52 +172,6 @@ class GemmaRouter(nn.Module):
         return weights * self.per_expert_scale[ids], ids
 
 
-class GemmaExperts(nn.Module):
-    """Expert MLPs stored as HF's fused 3-D tensors; one iteration per active expert. An expert's row count
-    changes with the batch, so its matmuls must be batch invariant (`F.linear` is not). On a GPU
-    (`use_grouped_mm`) the tensors go as they are into two grouped matmuls that read nothing on the host."""
-
-    def __init__(self, config):
-        super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.act = activation(config.hidden_activation)
-        self.tp_segments = {"gate_up_proj": (i, i)}  # gate | up, split across ranks each on its own
-        self.grouped_mm = False
-
-    def use_grouped_mm(self) -> None:
-        self.grouped_mm = True
-
-    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.act(gate) * up
-
-    @property
-    def reads_host(self) -> bool:
-        """Whether a forward waits for the host (the loop reads which experts have rows)."""
-        return not self.grouped_mm
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return self.down_proj.dtype
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.grouped_mm:
-            rows, counts, slots = dispatch(x, ids, len(self.gate_up_proj))
-            y = grouped_mlp(rows, counts, self.gate_up_proj, self.down_proj, self.activate)
-            return combine(y, weights, ids, slots).to(x.dtype)  # fp32 weights: terms summed in fp32
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            gate, up = batch_invariant_linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = (
-                batch_invariant_linear(self.activate(gate, up), self.down_proj[e])
-                * weights[token, slot, None]
-            )
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, plan: LayerPlan, layer_idx: int, gemma4: bool):
         super().__init__()
@@ -234,7 +187,8 @@ class GemmaDecoderLayer(nn.Module):
         self.moe = gemma4 and config.enable_moe_block
         if self.moe:
             self.router = GemmaRouter(config)
-            self.experts = GemmaExperts(config)
+            moe_width = config.moe_intermediate_size
+            self.experts = Experts(config.num_experts, hidden, moe_width, config.hidden_activation)
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, **norm)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, **norm)
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, **norm)
@@ -342,6 +296,9 @@ class GemmaForCausalLM(CausalLM):
             )
             for i, p in enumerate(self.plans)
         ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
+        super().load_weights(split_fused_experts(weights), adopt)
 
     def checkpoint_name_map(self, name: str) -> str | None:
         for old, new in _PREFIXES:

@@ -22,8 +22,9 @@ GGUF conventions that matter here (llama.cpp's converter; checked against transf
   Qwen2.5-Coder files here DO carry `output.weight` although the HF originals are tied: it was quantized
   differently from `token_embd` (Q8_0 vs Q5_0, Q6_K vs Q4_K), so the two differ after dequantization and
   the converted model is untied (as transformers also loads it). Gemma 3 270M has none: tied.
-- Qwen3-MoE experts are stacked into one [n_expert, ...] tensor per projection; we split them back into
-  HF's per-expert checkpoint names (Qwen3.5-MoE's checkpoints fuse them again: `checkpoint_tensors`).
+- MoE experts are stacked into one [n_expert, ...] tensor per projection (Gemma 4's gate and up fused in
+  one); we plan them per expert, as the model holds them, so that quantized loading takes each expert's
+  blocks; Qwen3.5-MoE's and Gemma 4's checkpoints stack them again (`checkpoint_tensors`).
 - Qwen3.5 / Qwen3.6 (`qwen35`, `qwen35moe`; llama.cpp's `_LinearAttentionVReorderBase`, checked against
   llama.cpp itself by tests/test_gguf_hybrid.py): norms stored as w + 1 as Gemma's (not the linear
   attention's gated `ssm_norm`); `A_log` stored as `ssm_a` = -exp(A_log) and `dt_bias` as `ssm_dt.bias`;
@@ -132,7 +133,7 @@ _LAYER_BY_ARCH = {
     "qwen3": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
     "qwen3moe": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
     "gemma3": _GEMMA3,
-    # and the per-layer inputs' and the MoE block's, whose experts are parameters (`_PARAMETERS`)
+    # and the per-layer inputs' and the MoE block's (its router's scales are parameters: `_PARAMETERS`)
     "gemma4": {
         **_GEMMA3,
         "inp_gate": "per_layer_input_gate",
@@ -151,13 +152,10 @@ _LAYER_BY_ARCH = {
 _HYBRID_PARAMETERS = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
 _PARAMETERS = {
     **dict.fromkeys(HYBRID_ARCHS, _HYBRID_PARAMETERS),
-    # Gemma 4's experts stay stacked (the checkpoint's gate_up_proj is the file's fused ffn_gate_up_exps)
     "gemma4": {
         ("layer_output_scale", "weight"): "layer_scalar",
         ("ffn_gate_inp.scale", None): "router.scale",
         ("ffn_down_exps.scale", None): "router.per_expert_scale",
-        ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
-        ("ffn_down_exps", "weight"): "experts.down_proj",
     },
 }
 # Tensors the converter derives from the config; `build_hf_config` reads them back into it.
@@ -169,7 +167,12 @@ _MTP = {
     "nextn.hnorm": "mtp.pre_fc_norm_hidden",
     "nextn.shared_head_norm": "mtp.norm",
 }
+# A MoE block's stacked expert tensors, planned one per expert (each expert's rows: whole quantized blocks).
 _EXPERT_LEAVES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_FUSED_EXPERT_LEAF = "ffn_gate_up_exps"  # Gemma 4's: each expert's gate rows, then its up rows
+_EXPERTS_IN_LAYER = {"gemma4": "experts"}  # beside the MLP; others' are the MLP's (`mlp.experts`)
+# Architectures whose checkpoints hold a layer's experts as two stacked tensors (`checkpoint_tensors`).
+_STACKED_EXPERTS = ("qwen35moe", "gemma4")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9.]+?)(?:\.(weight|bias))?$")
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
@@ -314,10 +317,9 @@ def plan_tensors(reader) -> list[PlannedTensor]:
             planned = dict(source=idx, offset=offset, v_heads=v_heads.get(leaf))
             if param := _PARAMETERS.get(arch, {}).get((leaf, kind)):
                 plan.append(PlannedTensor(f"{prefix}.{param}", shape, **planned, negated_exp=leaf == "ssm_a"))
-            elif leaf in _EXPERT_LEAVES and "ffn_gate_inp" in layer_map:
-                for e in range(shape[0]):
-                    name = f"{prefix}.mlp.experts.{e}.{_EXPERT_LEAVES[leaf]}.{kind}"
-                    plan.append(PlannedTensor(name, shape[1:], idx, expert=e))
+            elif (leaf in _EXPERT_LEAVES or leaf == _FUSED_EXPERT_LEAF) and "ffn_gate_inp" in layer_map:
+                experts = f"{prefix}.{_EXPERTS_IN_LAYER.get(arch, 'mlp.experts')}"
+                plan.extend(_planned_experts(experts, leaf, kind, shape, idx))
             elif leaf in _MTP and layer >= mtp_from:
                 plan.append(PlannedTensor(f"{_MTP[leaf]}.{kind}", shape, **planned))
             elif leaf == "ssm_ba" and layouts:  # kept fused: the model's in_proj_b and in_proj_a are its rows
@@ -336,6 +338,21 @@ def plan_tensors(reader) -> list[PlannedTensor]:
         else:
             raise unknown(t.name)
     return plan
+
+
+def _planned_experts(
+    experts: str, leaf: str, kind: str, shape: tuple[int, ...], source: int
+) -> Iterator[PlannedTensor]:
+    """Each expert's tensors of a stacked [n_expert, ...] GGUF tensor; a fused gate|up one gives each
+    expert's gate and up projections as row ranges of its part."""
+    width = shape[1] // 2
+    for e in range(shape[0]):
+        if leaf != _FUSED_EXPERT_LEAF:
+            yield PlannedTensor(f"{experts}.{e}.{_EXPERT_LEAVES[leaf]}.{kind}", shape[1:], source, expert=e)
+            continue
+        for proj, rows in (("gate_proj", range(width)), ("up_proj", range(width, 2 * width))):
+            name = f"{experts}.{e}.{proj}.{kind}"
+            yield PlannedTensor(name, (width, *shape[2:]), source, expert=e, rows=tuple(rows))
 
 
 def undo_conversion(p: PlannedTensor, arr: np.ndarray) -> np.ndarray:
@@ -365,17 +382,17 @@ class CheckpointTensor:
         return 4 * math.prod(self.shape)
 
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def checkpoint_tensors(plan: list[PlannedTensor], meta: Meta) -> list[CheckpointTensor]:
-    """The tensors the checkpoint holds, in plan order. Qwen3.5-MoE's hold each layer's routed experts as
-    two: gate_up_proj [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and
-    down_proj [experts, hidden, width]; transformers reads no other form of them. Qwen3-Next's hold its
-    fused projections (`_qwen3_next_layouts`)."""
+    """The tensors the checkpoint holds, in plan order. Qwen3.5-MoE's and Gemma 4's hold each layer's
+    routed experts as two: gate_up_proj [experts, 2 x width, hidden] (each expert's gate rows, then its up
+    rows) and down_proj [experts, hidden, width]; transformers reads no other form of them. Qwen3-Next's
+    hold its fused projections (`_qwen3_next_layouts`)."""
     if meta.arch == "qwen3next":
         return _fused_projections(plan, _qwen3_next_layouts(meta))
-    if meta.arch != "qwen35moe":
+    if meta.arch not in _STACKED_EXPERTS:
         return [CheckpointTensor(p.hf_name, p.shape, (p,)) for p in plan]
     experts: dict[str, dict[str, list[PlannedTensor]]] = {}
     order: list[CheckpointTensor | str] = []

@@ -48,7 +48,9 @@ from specserve.platform import CPU, Platform
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # of the files below; the key also hashes the code that defines the layers' buffers
+# of the files below (2: Gemma 4's experts quantized, as Qwen's); the key also hashes the code that defines
+# the layers' buffers
+FORMAT_VERSION = 2
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
 MIN_CACHED_BYTES = 64 << 20  # of source files: smaller models are quantized each time

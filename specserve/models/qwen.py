@@ -7,7 +7,7 @@ Parameter names equal the HF checkpoint names, so `load_weights` copies tensors 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from specserve.layers.attention import AttentionBackend, KVCache, sdpa_paged_att
 from specserve.layers.fusion import project
 from specserve.layers.metadata import ForwardMetadata
 from specserve.layers.mlp import GatedMLP
-from specserve.layers.moe import Experts, route_topk
+from specserve.layers.moe import Experts, route_topk, split_fused_experts
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.base import CausalLM, LayerCacheSpec
@@ -200,7 +200,7 @@ class QwenForCausalLM(CausalLM):
         return None if "rotary_emb.inv_freq" in name else name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
-        super().load_weights(_split_fused_experts(weights), adopt)
+        super().load_weights(split_fused_experts(weights), adopt)
 
     def tied_parameter_names(self) -> set[str]:
         return {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
@@ -208,20 +208,3 @@ class QwenForCausalLM(CausalLM):
     def tie_weights(self) -> None:
         if self.tied_parameter_names():
             self.lm_head.weight = self.model.embed_tokens.weight
-
-
-def _split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF checkpoints store one tensor per expert; transformers v5 holds them fused in memory
-    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Accept the fused form too."""
-    for name, tensor in weights:
-        prefix, _, leaf = name.rpartition(".")
-        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
-            yield name, tensor
-        elif leaf == "down_proj":
-            for e in range(tensor.shape[0]):
-                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
-        else:
-            for e in range(tensor.shape[0]):
-                gate, up = tensor[e].chunk(2, dim=0)
-                yield f"{prefix}.{e}.gate_proj.weight", gate
-                yield f"{prefix}.{e}.up_proj.weight", up

@@ -31,6 +31,7 @@ from specserve.layers.gated_deltanet import (
 )
 from specserve.layers.metadata import ForwardMetadata, StateCheckpoints
 from specserve.layers.mlp import GatedMLP
+from specserve.layers.moe import split_fused_experts
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inverse_frequencies
 from specserve.models.base import CausalLM, LayerCacheSpec
@@ -40,7 +41,6 @@ from specserve.models.qwen import (
     QwenSparseMoe,
     _head_dim,
     _is_moe_layer,
-    _split_fused_experts,
 )
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class MultiTokenPredictor(CausalLM):
         extra = sorted({n.split(".")[2] for n, _ in names if n.startswith("mtp.layers.")} - {"0"})
         if extra:
             raise NotImplementedError(f"MTP layers {extra} beyond the first are not supported")
-        super().load_weights(_split_fused_experts(names), adopt)
+        super().load_weights(split_fused_experts(names), adopt)
 
 
 def _split_fused_projections(

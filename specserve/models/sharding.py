@@ -6,8 +6,8 @@ checkpoint tensor is cut to the parameter it fills while loading (`WeightShard`)
 rank ever holds the whole model. Which dimension a tensor is split along is read off the shapes: the one where
 the full model's parameter (built on the meta device) and the rank's differ. That makes q/k/v, gate/up and
 in-projections column-parallel (output rows split) and o/down/out projections row-parallel (inputs split)
-with no per-model table. Fused tensors made of several blocks (Gated DeltaNet's q|k|v, Gemma's fused
-gate|up experts) say so in `tp_segments`, and each block is split on its own.
+with no per-model table. Fused tensors made of several blocks (Gated DeltaNet's q|k|v) say so in
+`tp_segments`, and each block is split on its own.
 
 KV heads: with fewer KV heads than ranks, each rank keeps the one KV head its query heads read (replicated).
 The residual stream stays whole on every rank: the outputs of the attention, linear-attention, MLP and MoE
