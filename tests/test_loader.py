@@ -629,3 +629,40 @@ def test_dummy_weights_need_only_the_config(tmp_path, tiny_model_dir):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     with pytest.raises(SpecserveError, match="load_format must be one of auto, dummy"):
         LLM(str(tmp_path), load_format="random")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "gemma4", "qwen3_5_moe"])
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_checkpoint_load_quantizes_each_weight_as_it_reads_it(arch, mode, monkeypatch, tmp_path):
+    """From safetensors, every layer that quantizing replaces is quantized as its weight is read (its dense
+    weight never written: a 30B MoE's fp32 weights would be 114 GB), biases (qwen2), fused experts (Qwen3.5
+    MoE, Gemma 4) and a tied head (left to the tie) included; the model is the fp32 load quantized, bit
+    for bit, to the logits."""
+    from specserve.layers.quant import QuantizingLoad, quantizable_weights, quantize_model
+    from specserve.models.loader import load_model
+    from tests.paged_harness import PagedHarness
+    from tests.tiny_models import save_tiny_model
+
+    path = str(save_tiny_model(arch, tmp_path))
+    replaced = []
+    quantize = QuantizingLoad.__call__
+
+    def recorded(self, model, name, weight):
+        took = quantize(self, model, name, weight)
+        replaced.extend([name] * took)
+        return took
+
+    monkeypatch.setattr(QuantizingLoad, "__call__", recorded)
+    quantized, _, _ = load_model(path, quantization=mode)
+    dense, _, _ = load_model(path)
+    tied = {"lm_head.weight"} if dense.config.tie_word_embeddings else set()
+    expected = set(quantizable_weights(dense, mode)) - tied
+    assert sorted(replaced) == sorted(expected) and expected
+    assert quantize_model(dense, mode) > 0
+    layers = dict(quantized.named_modules())
+    for name, module in dense.named_modules():
+        if hasattr(module, "group_size"):  # a quantized layer
+            assert type(layers[name]) is type(module), name
+            assert torch.equal(layers[name].weight, module.weight), name
+    ids = [1, 5, 9, 2, 7]
+    assert torch.equal(*(PagedHarness(m).step([(0, ids)])[0][0] for m in (quantized, dense)))

@@ -680,6 +680,36 @@ def quantizable_linears(model: nn.Module, mode: str, lm_head: bool | None = None
     yield from names_of.values()
 
 
+def quantizable_weights(model: nn.Module, mode: str) -> dict[str, list[str]]:
+    """{the weight's name: the layer's qualified names} of each layer `quantize_model` would replace."""
+    return {f"{n}.weight": names for names in quantizable_linears(model, mode) for n in names}
+
+
+class QuantizingLoad:
+    """Quantizes each layer `quantize_model` would replace as a checkpoint load reads its weight
+    (`CausalLM.load_weights` calls it), so that the dense weight is never written: allocated uninitialised,
+    it takes no memory, and a load peaks at the quantized model plus a tensor where it held the whole
+    model in fp32 first (a 30B mixture-of-experts model's 114 GB). The layers are those quantizing the
+    loaded model would make, bit for bit. Tied weights are left to the tie."""
+
+    def __init__(self, model, mode: str, use_kernel: bool | None = None):
+        tied = model.tied_parameter_names()
+        self.targets = {k: v for k, v in quantizable_weights(model, mode).items() if k not in tied}
+        self.mode, self.use_kernel = mode, use_kernel
+
+    def __call__(self, model: nn.Module, name: str, weight: torch.Tensor) -> bool:
+        """Replace the layer whose weight `name` is by its quantized `weight` (in the parameter's dtype);
+        returns whether `name` was one."""
+        names = self.targets.pop(name, None)
+        if names is None:
+            return False
+        bias = model.get_submodule(names[0]).bias  # the parameter itself: the load may fill it later
+        with torch.no_grad():
+            layer = quantize_linear(weight, bias, self.mode, use_kernel=self.use_kernel)
+        replace_module(model, names, layer)
+        return True
+
+
 def replace_module(model: nn.Module, names: list[str], new: nn.Module) -> None:
     for qualname in names:
         parent_name, _, name = qualname.rpartition(".")

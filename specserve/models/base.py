@@ -37,6 +37,7 @@ class CausalLM(nn.Module):
 
     config: object
     weight_shard = None  # a models.sharding.WeightShard when the model is one rank's shard
+    quantize_on_load = None  # a layers.quant.QuantizingLoad while a quantized load reads the checkpoint
 
     def forward(
         self,
@@ -102,6 +103,10 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(param.shape)}"
                 )
+            quantize = self.quantize_on_load
+            if quantize is not None and quantize(self, name, tensor.to(param.dtype)):
+                loaded.add(name)
+                continue
             with torch.no_grad():
                 if adopt and _adoptable(tensor) and tensor.dtype == param.dtype:
                     param.data = tensor

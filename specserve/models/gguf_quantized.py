@@ -20,7 +20,7 @@ from specserve.layers.quant import (
     Int4Weights,
     Int8Linear,
     QuantizedLinear,
-    quantizable_linears,
+    quantizable_weights,
     quantize_row_blocks,
     replace_module,
 )
@@ -109,7 +109,7 @@ def load_quantized(
 
     reader = GGUFHeader(gguf_path)
     plan = plan_tensors(reader)
-    targets = {f"{n}.weight": names for names in quantizable_linears(model, mode) for n in names}
+    targets = quantizable_weights(model, mode)
     rest = []
     # slow where blocks are requantized (Q6_K, Q5_0: numpy); the result is cached (models/prepare.py)
     for p in tqdm(plan, desc=f"{mode} weights from {gguf_path.name}", unit="tensor", leave=False):

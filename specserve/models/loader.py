@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import SpecserveError
-from specserve.layers.quant import check_mode
+from specserve.layers.quant import QuantizingLoad, check_mode
 from specserve.models import local_models
 from specserve.models.prepare import PreparedWeights, prepare_model
 from specserve.models.sharding import (
@@ -274,11 +274,11 @@ def load_model(
 
     `quantization` ("int8" | "int4") makes the linear layers weight-only quantized (`layers/quant.py`). A
     model converted from a GGUF file that is still present is then read from that file, its quantized
-    blocks mapped straight into our formats where they match (`models/gguf_quantized.py`); otherwise the fp32
-    weights are loaded and quantized in memory; either way the quantized form is cached and later loads map
-    it (`models/prepare.py`). `shard` (tensor parallelism) builds and loads only that
-    rank's part of the model (`models/sharding.py`); its quantized layers are quantized from the fp32
-    weights of the shard."""
+    blocks mapped straight into our formats where they match (`models/gguf_quantized.py`); otherwise each
+    layer is quantized as its weight is read (`quant.QuantizingLoad`: the model is never held in fp32);
+    either way the quantized form is cached and later loads map it (`models/prepare.py`). `shard` (tensor
+    parallelism) builds and loads only that rank's part of the model (`models/sharding.py`); its
+    quantized layers are quantized from the fp32 weights of the shard."""
     from specserve.models import gguf, gguf_quantized
     from specserve.models.registry import build_model, model_class, text_config_of
 
@@ -316,7 +316,12 @@ def load_model(
             gguf_quantized.load_quantized(source, net, quantization, platform.quantized_layout), adopt=True
         )
     else:  # each tensor is read for this load: adopted, or copied (cast) into a `dtype` parameter
-        net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
+        if quantization and world_size == 1:  # quantized as read (a rank's shard: once it is cut)
+            net.quantize_on_load = QuantizingLoad(net, quantization, platform.quantized_layout)
+        try:
+            net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
+        finally:
+            net.quantize_on_load = None
     if world_size > 1:
         finish_sharded_load(net, full_shapes, shard)
     net.eval()
