@@ -633,11 +633,12 @@ def test_dummy_weights_need_only_the_config(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "gemma4", "qwen3_5_moe"])
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_quantized_checkpoint_load_quantizes_each_weight_as_it_reads_it(arch, mode, monkeypatch, tmp_path):
-    """From safetensors, every layer that quantizing replaces is quantized as its weight is read (its dense
-    weight never written: a 30B MoE's fp32 weights would be 114 GB), biases (qwen2), fused experts (Qwen3.5
-    MoE, Gemma 4) and a tied head (left to the tie) included; the model is the fp32 load quantized, bit
-    for bit, to the logits."""
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_a_quantized_load_never_holds_the_dense_weights(arch, mode, load_format, monkeypatch, tmp_path):
+    """From safetensors (or random, `load_format="dummy"`), every layer that quantizing replaces is quantized
+    as its weight is read or made (its dense weight never written: a 30B MoE's fp32 weights would be
+    114 GB), biases (qwen2), fused experts (Qwen3.5 MoE, Gemma 4) and a tied head (left to the tie)
+    included; the model is the fp32 load quantized, bit for bit, to the logits."""
     from specserve.layers.quant import QuantizingLoad, quantizable_weights, quantize_model
     from specserve.models.loader import load_model
     from tests.paged_harness import PagedHarness
@@ -653,8 +654,8 @@ def test_quantized_checkpoint_load_quantizes_each_weight_as_it_reads_it(arch, mo
         return took
 
     monkeypatch.setattr(QuantizingLoad, "__call__", recorded)
-    quantized, _, _ = load_model(path, quantization=mode)
-    dense, _, _ = load_model(path)
+    quantized, _, _ = load_model(path, quantization=mode, load_format=load_format)
+    dense, _, _ = load_model(path, load_format=load_format)
     tied = {"lm_head.weight"} if dense.config.tie_word_embeddings else set()
     expected = set(quantizable_weights(dense, mode)) - tied
     assert sorted(replaced) == sorted(expected) and expected

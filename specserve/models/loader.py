@@ -307,8 +307,11 @@ def load_model(
         cache = PreparedWeights.for_source(
             [source] if source else safetensors_files(model_dir), quantization, dtype
         )
+    quantizer = None  # quantized as made or read, never held dense (a rank's shard: once it is cut)
+    if quantization and world_size == 1 and not platform.is_cuda:
+        quantizer = QuantizingLoad(net, quantization, platform.quantized_layout)
     if dummy:
-        init_dummy_weights(net)
+        init_dummy_weights(net, quantizer=quantizer)
     elif cache is not None and cache.exists():
         cache.load_into(net)
     elif source is not None:
@@ -316,8 +319,7 @@ def load_model(
             gguf_quantized.load_quantized(source, net, quantization, platform.quantized_layout), adopt=True
         )
     else:  # each tensor is read for this load: adopted, or copied (cast) into a `dtype` parameter
-        if quantization and world_size == 1:  # quantized as read (a rank's shard: once it is cut)
-            net.quantize_on_load = QuantizingLoad(net, quantization, platform.quantized_layout)
+        net.quantize_on_load = quantizer
         try:
             net.load_weights(iter_checkpoint_tensors(model_dir), adopt=True)
         finally:
@@ -330,10 +332,16 @@ def load_model(
     return net, config, load_tokenizer(model_dir)
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Every parameter N(0, 0.02) from a seeded generator on its device (ties kept: they are tied before)."""
+def init_dummy_weights(
+    model: torch.nn.Module, seed: int = 0, quantizer: QuantizingLoad | None = None
+) -> None:
+    """Every parameter N(0, 0.02) from a seeded generator on its device (ties kept: they are tied before);
+    the weights `quantizer` takes are made one at a time and handed to it instead (the same values)."""
     model.tie_weights()
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in list(model.named_parameters()):
             generator = torch.Generator(parameter.device).manual_seed(seed)
-            parameter.normal_(0.0, 0.02, generator=generator)
+            if quantizer is not None and name in quantizer.targets:
+                quantizer(model, name, torch.empty_like(parameter).normal_(0.0, 0.02, generator=generator))
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
