@@ -675,7 +675,8 @@ def test_train_refuses_more_anchors_than_a_sample_holds_or_an_empty_cache_before
     tiny_model_dir, tmp_path, capsys
 ):
     """Anchors are positions whose next token is in the sample too: a huge --num-anchors failed in an
-    allocation once the target had loaded, and an empty cache crashed there too."""
+    allocation once the target had loaded, and an empty cache crashed there too. So did a huge --block-size,
+    and a huge --ttt-length ran its test steps for hours: slots past the longest sample have no label."""
     from specserve.train.target_cache import CacheInfo, write_target_cache
 
     _, cache = tiny_cache(tiny_model_dir, tmp_path / "cache", seq_len=40)
@@ -688,6 +689,14 @@ def test_train_refuses_more_anchors_than_a_sample_holds_or_an_empty_cache_before
         (["--cache", cache, "--num-anchors", str(10**12)], bound),
         (["--cache", str(empty)], f"{empty} holds no samples"),
         (["--cache", cache, "--num-anchors", "39"], "no-such-model"),  # the most: on to the load
+        (
+            ["--cache", cache, "--block-size", "40"],
+            "--block-size must be in 1..39: the cache's longest sample",
+        ),
+        (["--cache", cache, "--block-size", str(10**6)], "has 40 tokens, so a position has at most 39"),
+        (["--cache", cache, "--method", "eagle3", "--ttt-length", "40"], "--ttt-length must be in 1..39: "),
+        (["--cache", cache, "--block-size", "39"], "no-such-model"),
+        (["--cache", cache, "--method", "eagle3", "--ttt-length", "39"], "no-such-model"),
     ):
         err = _refused(capsys, [*base, *flags])
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, (flags, err)

@@ -111,6 +111,18 @@ class DrafterArgs:
             config.mask_token_id,
         )
 
+    def check_length(self, longest: int) -> None:
+        """Slots (a DSpark / DFlash block, EAGLE-3's test steps) past the cache's longest sample never have a
+        label: a count given past it is refused here, where it failed in a huge allocation or ran for hours
+        once the target had loaded (a default is kept: a few unlabelled slots cost little)."""
+        for name in ("block_size", "ttt_length"):
+            value = getattr(self, name)
+            check(
+                value is None or value < longest,
+                f"{_flag(name)} must be in 1..{longest - 1}: the cache's longest sample has {longest} "
+                f"tokens, so a position has at most {longest - 1} after it to predict; got {value}",
+            )
+
     def check_target(self, text_config) -> None:
         """What the target's config decides before it loads: the mask token is one of its ids."""
         vocab = text_config.vocab_size
@@ -215,6 +227,7 @@ def train_drafter(
         )
     elif not resuming:
         train_config = replace(train_config, num_anchors=max(1, min(train_config.num_anchors, longest - 1)))
+    drafter.check_length(longest)
     target_text = target_text_config(target_model)
     cache.check_target(target_model, target_text)
     if target_text is not None:
