@@ -767,6 +767,38 @@ def test_train_refuses_a_mask_token_past_the_vocabulary_before_loading(
         _refused(capsys, [*argv, "--mask-token-id", str(VOCAB - 1)])
 
 
+def test_train_refuses_a_drafter_too_big_to_train_before_loading(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """A huge --layers, --markov-rank or --intermediate-size (a typo) failed in an allocation once the target
+    had loaded; the drafter's size comes from its shape alone, so it is refused first."""
+    model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
+    capsys.readouterr()
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr("specserve.train.run.load_model", load_model)
+    monkeypatch.setattr("specserve.preflight.host_memory_bytes", lambda: 2**29)
+    argv = ["train", "--model", model, "--cache", cache, "--output", str(tmp_path / "d"), "--steps", "1"]
+    memory = "more than this machine's memory (0.5 GiB of RAM and swap); give smaller values\n"
+    for flags, says in (
+        (["--layers", "1000"], "a dspark drafter of this target with --layers 1000 has 37,163,713 trainable"),
+        (
+            ["--markov-rank", str(10**7)],
+            "a dspark drafter of this target with --markov-rank 10000000 has 5,",
+        ),
+        (["--method", "dflash", "--intermediate-size", str(10**8)], "a dflash drafter of this target with "),
+    ):
+        err = _refused(capsys, [*argv, *flags])
+        assert err.startswith(f"error: {says}") and err.endswith(memory), (flags, err)
+        assert err.count("\n") == 1
+    for fits in ([], ["--layers", "2", "--markov-rank", "64"], ["--method", "eagle3"]):  # on to the load
+        with pytest.raises(AssertionError, match="the target loaded"):
+            _refused(capsys, [*argv, *fits])
+    assert not (tmp_path / "d").exists()
+
+
 def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, capsys):
     """A resumed run took the checkpoint's drafter and training settings and silently ignored changed flags
     (more --steps trained at learning rate 0: the saved schedule had ended). Flags not given (the defaults:

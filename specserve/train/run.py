@@ -34,6 +34,7 @@ from specserve.train.trainer import (
     TrainConfig,
     Trainer,
     append_metrics,
+    trainable_parameters,
     truncate_metrics,
 )
 
@@ -129,6 +130,32 @@ class DrafterArgs:
         check(
             self.mask_token_id is None or self.mask_token_id < vocab,
             f"--mask-token-id must be < {vocab} (the target's vocabulary size), got {self.mask_token_id}",
+        )
+
+    def check_memory(self, method: str, target_config, layer_ids: list[int], num_anchors: int) -> None:
+        """Refuses, before the target loads, a new drafter whose training state alone (its trainable
+        weights in fp32, their gradients and AdamW's two moments: 16 bytes each) exceeds this machine's
+        memory: a huge --layers, --markov-rank or --intermediate-size failed in an allocation once loaded."""
+        from specserve.preflight import host_memory_bytes
+
+        available = host_memory_bytes()
+        if available is None:
+            return
+        # Any mask token: the tokenizer that picks the default is not read yet, and the size does not need it.
+        unmasked = method == "eagle3" or self.mask_token_id is not None
+        config = (self if unmasked else replace(self, mask_token_id=0)).new_config(
+            method, target_config, layer_ids, None, num_anchors
+        )
+        params = sum(p.numel() for p in trainable_parameters(build_draft_model(config, device="meta")))
+        sizes = ("num_layers", "block_size", "markov_rank", "intermediate_size", "ttt_length")
+        flags = " ".join(f"{_flag(k)} {v}" for k, v in self.given().items() if k in sizes)
+        gib = 2**30
+        check(
+            16 * params <= available,
+            f"a {method} drafter of this target{f' with {flags}' if flags else ''} has {params:,} "
+            f"trainable parameters: training it takes ~{16 * params / gib:.1f} GiB (fp32 weights, gradients "
+            f"and AdamW's two moments), more than this machine's memory ({available / gib:.1f} GiB of RAM "
+            "and swap); give smaller values",
         )
 
     def method_for(self, resumed: DrafterArgs | None, directory: Path) -> str:
@@ -232,6 +259,9 @@ def train_drafter(
     cache.check_target(target_model, target_text)
     if target_text is not None:
         drafter.check_target(target_text)
+        if not resuming:
+            layer_ids = cache.manifest["target_layer_ids"]
+            drafter.check_memory(method, target_text, layer_ids, train_config.num_anchors)
     target, hf_config, tokenizer = load_model(target_model)
     config_t = text_config_of(hf_config)
     if resuming:

@@ -30,12 +30,15 @@ DraftModel = DSparkDraftModel | Eagle3DraftModel
 logger = logging.getLogger(__name__)
 
 
-def build_draft_model(config: DrafterConfig, dtype: torch.dtype = torch.float32) -> DraftModel:
-    """Uninitialised storage for every tensor (filled by a checkpoint or `init_draft_weights`)."""
+def build_draft_model(
+    config: DrafterConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DraftModel:
+    """Uninitialised storage for every tensor (filled by a checkpoint or `init_draft_weights`); on the
+    "meta" device, none (the shapes alone)."""
     model_class = DSparkDraftModel if isinstance(config, DSparkConfig) else Eagle3DraftModel
     with on_meta():
         model = model_class(config)
-    return model.to_empty(device="cpu").to(dtype).eval()
+    return model.to_empty(device=device).to(dtype).eval()
 
 
 def share_target_modules(model: DraftModel, target: CausalLM) -> None:
