@@ -926,23 +926,33 @@ def test_resuming_a_damaged_training_state_or_drafter_config_is_refused(tiny_mod
         assert {f.name: f.read_bytes() for f in out.iterdir()} == files
 
 
-def test_target_cache_refuses_bad_lengths_and_layers(tmp_path, capsys):
+def test_target_cache_refuses_bad_lengths_and_layers_before_loading(tmp_path, capsys, monkeypatch):
+    """The target's layer count is in its config.json: a --target-layer-ids past it failed once loaded."""
     from tests.tiny_models import save_tiny_chat_model
 
     model = str(save_tiny_chat_model("qwen3", tmp_path / "target"))
     capsys.readouterr()  # the save's progress
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr("specserve.models.loader.load_model", load_model)
     data = tmp_path / "data.jsonl"
     data.write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n')
     base = ["data", "target-cache", "--model", model, "--data", str(data), "--output", str(tmp_path / "c")]
-    for flags, says in ((["--max-length", "0"], "max_length"), (["--target-layer-ids", "1,3"], "layer")):
-        err = _refused(capsys, [*base, *flags])
-        assert err.startswith("error:") and says in err, (flags, err)
+    for flags, says in (
+        (["--max-length", "0"], "max_length must be >= 1, got 0"),
+        (["--target-layer-ids", "1,3"], f"target layer ids must be in 0..2 ({model}), got [1, 3]"),
+    ):
+        assert _refused(capsys, [*base, *flags]) == f"error: {says}\n", flags
+    with pytest.raises(AssertionError, match="the target loaded"):  # the last layer: on to the load
+        _refused(capsys, [*base, "--target-layer-ids", "0,2"])
     assert not (tmp_path / "c").exists()
 
 
 def test_regenerate_refuses_a_bad_prompt_count_batch_or_an_empty_prompt_file_before_loading(tmp_path, capsys):
     """-3 code prompts raised ValueError from random.sample; an empty prompt file or a batch of 0 wrote an
-    empty output and exited 0."""
+    empty output and exited 0; a bad --temperature or --max-tokens was refused only once the model loaded."""
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     base = ["data", "regenerate", "--model", "no-such-model", "--output", str(tmp_path / "out.jsonl")]
@@ -950,6 +960,8 @@ def test_regenerate_refuses_a_bad_prompt_count_batch_or_an_empty_prompt_file_bef
         (["--code-prompts", "-3"], "-3"),
         (["--prompts", str(empty)], str(empty)),
         (["--code-prompts", "2", "--batch-size", "0"], "--batch-size"),
+        (["--code-prompts", "2", "--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+        (["--code-prompts", "2", "--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
     ):
         err = _refused(capsys, [*base, *flags])
         assert err.startswith("error:") and says in err and "no-such-model" not in err, (flags, err)

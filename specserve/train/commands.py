@@ -121,36 +121,47 @@ def _data_regenerate(args: argparse.Namespace) -> int:
     check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     check_output(args.output)
     prompts = read_prompts(args.prompts) if args.prompts else code_prompts(args.code_prompts, seed=args.seed)
+    params = sampling_params(args)  # a bad --temperature or --max-tokens fails before the load
     llm = LLM(**engine_kwargs(args))
-    print(f"wrote {regenerate(llm, prompts, args.output, sampling_params(args), args.batch_size)}")
+    print(f"wrote {regenerate(llm, prompts, args.output, params, args.batch_size)}")
     return 0
+
+
+def _target_layer_ids(args: argparse.Namespace, text_config) -> list[int]:
+    """`--target-layer-ids`, or DFlash's rule's, checked against the target's layers."""
+    from specserve.spec_decode.deepspec.config import default_target_layer_ids
+
+    num_layers = text_config.num_hidden_layers
+    ids = args.target_layer_ids or default_target_layer_ids(num_layers)
+    check(
+        all(0 <= i < num_layers for i in ids),
+        f"target layer ids must be in 0..{num_layers - 1} ({args.model}), got {ids}",
+    )
+    return ids
 
 
 def _data_target_cache(args: argparse.Namespace) -> int:
     from specserve.models.loader import load_model
     from specserve.models.registry import text_config_of
-    from specserve.spec_decode.deepspec.config import default_target_layer_ids
     from specserve.train.data import read_conversations
+    from specserve.train.run import target_text_config
     from specserve.train.target_cache import build_target_cache
 
     if args.max_length < 1:
         raise SpecserveError(f"max_length must be >= 1, got {args.max_length}")
     check_output(args.output, directory=True)
     conversations = read_conversations(args.data)
+    known = target_text_config(args.model)  # None: a hub model not downloaded yet, checked once loaded
+    if known is not None:
+        _target_layer_ids(args, known)
     target, hf_config, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SpecserveError(f"{args.model} has no tokenizer: the chat template gives the loss masks")
-    num_layers = text_config_of(hf_config).num_hidden_layers
-    layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers)
-    if not all(0 <= i < num_layers for i in layer_ids):
-        raise SpecserveError(
-            f"target layer ids must be in 0..{num_layers - 1} ({args.model}), got {layer_ids}"
-        )
     out = build_target_cache(
         target,
         tokenizer,
         conversations,
-        layer_ids,
+        _target_layer_ids(args, text_config_of(hf_config)),
         args.output,
         args.model,
         args.max_length,
