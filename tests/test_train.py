@@ -799,13 +799,15 @@ def test_train_refuses_a_drafter_too_big_to_train_before_loading(
     assert not (tmp_path / "d").exists()
 
 
-def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, capsys):
+def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """A resumed run took the checkpoint's drafter and training settings and silently ignored changed flags
     (more --steps trained at learning rate 0: the saved schedule had ended). Flags not given (the defaults:
-    7 slots, rank 256, lr 6e-4) resume it, and a refusal leaves the run's files as they were."""
+    7 slots, rank 256, lr 6e-4) resume it, and a refusal leaves the run's files as they were. A cache of
+    other target layers than the drafter reads was refused only once the target had loaded."""
     import json
 
     from specserve.cli import main
+    from specserve.train.target_cache import CacheInfo, write_target_cache
 
     model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
     out = tmp_path / "d"
@@ -830,6 +832,18 @@ def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, ca
         err = _refused(capsys, [*base, "--steps", "2", *flags])
         assert err.startswith(f"error: {says.format(out)}") and err.count("\n") == 1, (flags, err)
     assert {f.name: f.read_bytes() for f in out.iterdir()} == files
+    n = 10  # a sample of the target's layers 0 and 2 (the drafter reads 0 and 1)
+    sample = Sample(
+        torch.zeros(n, dtype=torch.long),
+        torch.ones(n, dtype=torch.long),
+        torch.zeros(n, 128),
+        torch.zeros(n, 64),
+    )
+    other = write_target_cache(tmp_path / "other", [sample], CacheInfo([0, 2], 64, model))
+    with monkeypatch.context() as patch:
+        patch.setattr("specserve.train.run.load_model", lambda *a, **k: pytest.fail("the target loaded"))
+        err = _refused(capsys, [*base[:4], str(other), *base[5:], "--steps", "2"])
+    assert err == f"error: {other} does not match the drafter: target_layer_ids [0, 2] != [0, 1]\n"
     assert main([*base, "--steps", "2", "--init", "target"]) == 0  # --init: how a new drafter starts
     assert [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((out / "config.json").read_text())["block_size"] == 3

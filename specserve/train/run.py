@@ -68,6 +68,17 @@ def check_unchanged(given: dict, saved: dict, directory: Path) -> None:
         )
 
 
+def checkpoint_config(directory: Path):
+    """The config of the drafter in `directory` (its config.json; no target needed)."""
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as exc:  # a run cut short while writing it (JSONDecodeError), or bytes not UTF-8
+        raise SpecserveError(f"{path} is not valid JSON ({exc}), {CANNOT_RESUME}") from None
+    check(isinstance(raw, dict), f"{path} is not a JSON object but {raw!r:.40}, {CANNOT_RESUME}")
+    return parse_drafter_config(raw, str(directory))
+
+
 @dataclass
 class DrafterArgs:
     """`train`'s drafter flags, checked from the flags alone (before any model loads). None: not given,
@@ -91,15 +102,8 @@ class DrafterArgs:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
-    def of_checkpoint(cls, directory: Path) -> DrafterArgs:
-        """The flags that made the drafter in `directory` (its config.json; no target needed)."""
-        path = directory / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except ValueError as exc:  # a run cut short while writing it (JSONDecodeError), or bytes not UTF-8
-            raise SpecserveError(f"{path} is not valid JSON ({exc}), {CANNOT_RESUME}") from None
-        check(isinstance(raw, dict), f"{path} is not a JSON object but {raw!r:.40}, {CANNOT_RESUME}")
-        config = parse_drafter_config(raw, str(directory))
+    def of_config(cls, config) -> DrafterArgs:
+        """The flags that made a drafter of `config` (`checkpoint_config`'s)."""
         if isinstance(config, Eagle3Config):
             return cls("eagle3", ttt_length=config.ttt_length)
         heads = config.confidence_head  # what `new_config` gives DSpark, not DFlash
@@ -241,7 +245,9 @@ def train_drafter(
         saved = Trainer.saved_config(output)
         check_unchanged({name: getattr(train_config, name) for name in given}, asdict(saved), output)
         train_config = saved
-    method = drafter.method_for(DrafterArgs.of_checkpoint(output) if resuming else None, output)
+        resumed = checkpoint_config(output)
+        cache.check(resumed)  # the drafter may read other target layers than the cache holds
+    method = drafter.method_for(DrafterArgs.of_config(resumed) if resuming else None, output)
     # An anchor (EAGLE-3: a chain's row) is a position whose next token is in the sample too: past S - 1 of
     # them, the rest are dummies that cost compute (and a huge count, the allocation). The default is cut
     # to that (the same anchors are drawn); a count given past it is refused.
@@ -280,7 +286,8 @@ def train_drafter(
                 f"training vocabulary: the {len(vocab)} tokens the data supervises (of {config_t.vocab_size})"
             )
         trainer = Trainer(model, samples, train_config, vocab)
-    cache.check(trainer.model.config)  # a resumed drafter may read other target layers than the cache holds
+    # A new drafter's hidden size is the target's: a hub target's is known only once it is downloaded.
+    cache.check(trainer.model.config)
     log = output / "metrics.jsonl"
     output.mkdir(parents=True, exist_ok=True)
     truncate_metrics(log, trainer.step_index)
