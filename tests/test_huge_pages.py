@@ -87,3 +87,29 @@ def test_switched_off(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV_VAR, "0")
     model = nn.Linear(8, 8)
     assert place_on_huge_pages(model) == 0 and not moved(model.weight)
+
+
+def test_a_storage_gives_its_old_pages_back_as_it_is_copied(monkeypatch):
+    """A large storage is copied a chunk at a time, each copied chunk's whole pages of the old copy given
+    back at once (no load peaks at its size twice); values intact. One over memory torch did not allocate
+    (numpy's) gives nothing back: another storage could share it."""
+    import numpy as np
+
+    monkeypatch.setattr(huge_pages, "COPY_CHUNK", 3 * huge_pages.PAGE + 100)  # chunk ends inside pages
+    released = []
+    monkeypatch.setattr(huge_pages, "release_pages", lambda address, size: released.append((address, size)))
+    model = nn.Module()
+    model.big = nn.Parameter(torch.randn(10 * huge_pages.PAGE // 4 + 7), requires_grad=False)
+    model.numpy = nn.Parameter(torch.from_numpy(np.ones(5 * huge_pages.PAGE, dtype=np.float32)), False)
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    start = model.big.untyped_storage().data_ptr()
+    end = start + model.big.untyped_storage().nbytes()
+    place_on_huge_pages(model)
+    assert all(moved(p) and torch.equal(p, values[name]) for name, p in model.named_parameters())
+    page = huge_pages.PAGE
+    assert released and all(address % page == 0 and length % page == 0 for address, length in released)
+    # consecutive ranges covering every whole page of the old copy, in four chunks
+    assert [a + n for a, n in released[:-1]] == [a for a, _ in released[1:]] and len(released) == 4
+    assert released[0][0] == -(-start // page) * page and sum(n for _, n in released) == (
+        end // page * page - released[0][0]
+    )

@@ -15,7 +15,8 @@ own the storage their members view, layers/fusion.py), grouped by storage. A sto
 tensors found are all that hold it: a holder left behind would keep the old copy alive (the memory twice).
 oneDNN's packed fp32 weights are opaque and stay where oneDNN put them; storages already on a mapping of
 ours (a target module a drafter shares) stay. Heap memory freed on the way goes back to the OS as it goes
-(`malloc_trim`), so that the peak stays near the final size. `SPECSERVE_HUGE_PAGES=0` switches it off; it
+(`malloc_trim`), and a storage's old pages as its copy goes (`madvise(MADV_DONTNEED)`), so that the peak
+stays near the final size. `SPECSERVE_HUGE_PAGES=0` switches it off; it
 does nothing where the kernel has no THP or its mode is "never".
 """
 
@@ -39,6 +40,9 @@ ENV_VAR = "SPECSERVE_HUGE_PAGES"
 HUGE_PAGE = 2 * 2**20
 ALIGN = 64  # each storage starts on a cache line
 MADV_HUGEPAGE = 14
+MADV_DONTNEED = 4
+PAGE = mmap.PAGESIZE
+COPY_CHUNK = 64 * 2**20  # bytes of a storage copied between returns of its old pages to the OS
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 TRIM_EVERY = 256 * 2**20  # bytes moved between returns of freed heap memory to the OS
 
@@ -94,6 +98,32 @@ def _movable(model: nn.Module) -> list[tuple[torch.UntypedStorage, list[torch.Te
     ]
 
 
+def _copy_releasing(piece: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    """Copy `storage` into `piece` a chunk at a time, giving the old copy's whole pages back to the OS as each
+    chunk is done: no one else reads them (`_movable`), and a large storage (an fp32 embedding: 2.75 GiB for
+    Gemma 4's) would otherwise add its size to the load's peak until the move of it ends. Only memory torch
+    allocated (resizable) is given back: a storage over another's memory (a numpy array's, a file mapping)
+    might share it with one that stays."""
+    old = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if not storage.resizable():
+        piece.copy_(old)
+        return
+    base = storage.data_ptr()
+    released = -(-base // PAGE) * PAGE  # the old copy's pages from here on are still whole and in use
+    for start in range(0, len(old), COPY_CHUNK):
+        stop = min(start + COPY_CHUNK, len(old))
+        piece[start:stop].copy_(old[start:stop])
+        done = (base + stop) // PAGE * PAGE
+        if done > released:
+            release_pages(released, done - released)
+            released = done
+
+
+def release_pages(address: int, length: int) -> None:
+    """madvise(MADV_DONTNEED): the pages' memory goes back to the OS; read again, they are zeros."""
+    _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_DONTNEED)
+
+
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping with whole huge pages for `nbytes` from a huge-page boundary on (madvised),
     and that boundary's offset. Pages never touched cost no memory."""
@@ -128,7 +158,7 @@ def place_on_huge_pages(model: nn.Module) -> int:
             nbytes = storage.nbytes()
             # a storage of its own on the mapping (which it keeps alive): storage identity means what it did
             piece = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-            piece.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            _copy_releasing(piece, storage)
             for t in tensors:
                 t.set_(piece.untyped_storage(), t.storage_offset(), t.size(), t.stride())
             del storage, tensors, t, piece  # the last holders: the old copy is freed here
