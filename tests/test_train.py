@@ -26,6 +26,16 @@ from tests.tiny_models import VOCAB
 pytestmark = pytest.mark.kernel_agnostic
 
 
+def blank_sample(tokens: int, features: int, hidden: int) -> Sample:
+    """A sample of zeros (every position in the loss) of the given widths: a cache's shape, not its values."""
+    return Sample(
+        torch.zeros(tokens, dtype=torch.long),
+        torch.ones(tokens, dtype=torch.long),
+        torch.zeros(tokens, features),
+        torch.zeros(tokens, hidden),
+    )
+
+
 def test_anchor_and_eval_mask_vectors():
     loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1])
     anchors, keep = sample_anchors(loss_mask, 6)
@@ -711,13 +721,8 @@ def test_train_refuses_a_cache_of_another_target_before_loading(
 
     model, cache = tiny_cache(tiny_model_dir, tmp_path / "cache")
     other = str(tiny_model_dir("qwen2"))
-    n = 10  # a sample of a target of hidden size 32 and 6+ layers, named as the 3 layers of 64 of `model`
-    sample = Sample(
-        torch.zeros(n, dtype=torch.long),
-        torch.ones(n, dtype=torch.long),
-        torch.zeros(n, 64),
-        torch.zeros(n, 32),
-    )
+    # a sample of a target of hidden size 32 and 6+ layers, named as the 3 layers of 64 of `model`
+    sample = blank_sample(10, features=64, hidden=32)
     odd = write_target_cache(tmp_path / "odd", [sample], CacheInfo([0, 5], 32, model))
     capsys.readouterr()
 
@@ -832,13 +837,7 @@ def test_resuming_refuses_flags_the_run_contradicts(tiny_model_dir, tmp_path, ca
         err = _refused(capsys, [*base, "--steps", "2", *flags])
         assert err.startswith(f"error: {says.format(out)}") and err.count("\n") == 1, (flags, err)
     assert {f.name: f.read_bytes() for f in out.iterdir()} == files
-    n = 10  # a sample of the target's layers 0 and 2 (the drafter reads 0 and 1)
-    sample = Sample(
-        torch.zeros(n, dtype=torch.long),
-        torch.ones(n, dtype=torch.long),
-        torch.zeros(n, 128),
-        torch.zeros(n, 64),
-    )
+    sample = blank_sample(10, features=128, hidden=64)  # the target's layers 0 and 2 (the drafter reads 0, 1)
     other = write_target_cache(tmp_path / "other", [sample], CacheInfo([0, 2], 64, model))
     with monkeypatch.context() as patch:
         patch.setattr("specserve.train.run.load_model", lambda *a, **k: pytest.fail("the target loaded"))
