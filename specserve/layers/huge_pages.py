@@ -77,6 +77,20 @@ def trim_heap() -> None:
         trim(0)
 
 
+class HeapTrimmer:
+    """Counts the bytes a rearrangement frees (or churns through temporaries) and gives the heap back
+    (`trim_heap`) each time TRIM_EVERY more went by: a trim costs milliseconds, the memory kept unbounded."""
+
+    def __init__(self):
+        self.since = 0
+
+    def add(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since >= TRIM_EVERY:
+            trim_heap()
+            self.since = 0
+
+
 def _on_our_mapping(address: int) -> bool:
     return any(start <= address < start + len(m) for start, m in list(_mappings.items()))
 
@@ -151,7 +165,7 @@ def place_on_huge_pages(model: nn.Module) -> int:
         logger.info("weights stay on ordinary pages: %s", exc)
         return 0
     _mappings[ctypes.addressof(ctypes.c_char.from_buffer(mapping))] = mapping
-    since_trim = 0
+    trimmer = HeapTrimmer()
     with torch.no_grad():
         while movable:
             storage, tensors = movable.popleft()
@@ -163,8 +177,6 @@ def place_on_huge_pages(model: nn.Module) -> int:
                 t.set_(piece.untyped_storage(), t.storage_offset(), t.size(), t.stride())
             del storage, tensors, t, piece  # the last holders: the old copy is freed here
             offset += -(-nbytes // ALIGN) * ALIGN
-            since_trim += nbytes
-            if since_trim >= TRIM_EVERY or not movable:
-                trim_heap()
-                since_trim = 0
+            trimmer.add(nbytes)
+    trim_heap()
     return total

@@ -60,7 +60,7 @@ from torch import nn
 from specserve.config import QUANTIZATION_MODES, SpecserveError
 from specserve.layers import kernels
 from specserve.layers.fusion import Fusion
-from specserve.layers.huge_pages import trim_heap
+from specserve.layers.huge_pages import HeapTrimmer, trim_heap
 from specserve.layers.linear import PackedLinear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -697,6 +697,7 @@ class QuantizingLoad:
         tied = model.tied_parameter_names()
         self.targets = {k: v for k, v in quantizable_weights(model, mode).items() if k not in tied}
         self.mode, self.use_kernel = mode, use_kernel
+        self.trimmer = HeapTrimmer()
 
     def __call__(self, model: nn.Module, name: str, weight: torch.Tensor) -> bool:
         """Replace the layer whose weight `name` is by its quantized `weight` (in the parameter's dtype);
@@ -705,13 +706,28 @@ class QuantizingLoad:
         if names is None:
             return False
         bias = model.get_submodule(names[0]).bias  # the parameter itself: the load may fill it later
-        with torch.no_grad():
-            layer = quantize_linear(weight, bias, self.mode, use_kernel=self.use_kernel)
-        replace_module(model, names, layer)
-        # the quantizer's fp32 temporaries, freed between the small layers kept, would stay in the heap:
-        # a 26B model's load grew ~3x its quantized size (trimming costs ~3% of quantizing)
-        trim_heap()
+        group_size = DEFAULT_GROUP_SIZE
+        _quantize_into(model, names, weight, bias, self.mode, group_size, self.use_kernel, self.trimmer)
         return True
+
+
+def _quantize_into(
+    model: nn.Module,
+    names: list[str],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mode: str,
+    group_size: int,
+    use_kernel: bool | None,
+    trimmer: HeapTrimmer,
+) -> None:
+    """Replace the layer registered as `names` by `weight` quantized. The quantizer's fp32 temporaries,
+    freed between the small layers kept, stay in the heap until it is trimmed (`trimmer`): a 26B model's
+    load grew to ~3x its quantized size."""
+    with torch.no_grad():
+        layer = quantize_linear(weight, bias, mode, group_size, use_kernel)
+    replace_module(model, names, layer)
+    trimmer.add(weight.numel() * weight.element_size())
 
 
 def replace_module(model: nn.Module, names: list[str], new: nn.Module) -> None:
@@ -739,13 +755,12 @@ def quantize_model(
     caches the layers unfused first). `use_kernel`: whether the layers take specserve's kernel layout
     (`_use_kernel`; the platform's `quantized_layout`).
     """
-    count = 0
+    count, trimmer = 0, HeapTrimmer()
     for names in list(quantizable_linears(model, mode, lm_head)):
         linear = model.get_submodule(names[0])
-        with torch.no_grad():
-            new = quantize_linear(linear.weight, linear.bias, mode, group_size, use_kernel)
-        replace_module(model, names, new)
+        _quantize_into(model, names, linear.weight, linear.bias, mode, group_size, use_kernel, trimmer)
         count += 1
+    trim_heap()
     if fuse:
         fuse_projections(model)
     return count
@@ -757,7 +772,7 @@ def fuse_projections(model: nn.Module) -> int:
     Then modules that compute several layers of one shape in one grouped call (a mixture-of-experts
     layer's experts: `stack_experts`) stack them, once their own projections are fused; a module before
     its children (`modules()` order), so that a layer can add its shared expert to its experts' stack."""
-    count = 0
+    count, trimmer = 0, HeapTrimmer()  # the members' own buffers are freed as they are re-pointed
     for module in list(model.modules()):
         for names in getattr(module, "FUSED_PROJECTIONS", ()):
             layers = tuple(getattr(module, name, None) for name in names)
@@ -771,6 +786,8 @@ def fuse_projections(model: nn.Module) -> int:
                 for layer in layers:
                     layer.fusion = fusion
                 count += 1
+                trimmer.add(sum(b.numel() * b.element_size() for b in fused.buffers()))
+    trim_heap()
     for module in list(model.modules()):
         stack = getattr(module, "stack_experts", None)
         if stack is not None:
