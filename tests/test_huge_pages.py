@@ -108,8 +108,9 @@ def test_a_storage_gives_its_old_pages_back_as_it_is_copied(monkeypatch):
     assert all(moved(p) and torch.equal(p, values[name]) for name, p in model.named_parameters())
     page = huge_pages.PAGE
     assert released and all(address % page == 0 and length % page == 0 for address, length in released)
-    # consecutive ranges covering every whole page of the old copy, in four chunks
-    assert [a + n for a, n in released[:-1]] == [a for a, _ in released[1:]] and len(released) == 4
+    # consecutive ranges covering every whole page of the old copy: one after each of the three whole
+    # chunks, and after the last (less than a page) where it ends a page
+    assert [a + n for a, n in released[:-1]] == [a for a, _ in released[1:]] and len(released) in (3, 4)
     assert released[0][0] == -(-start // page) * page and sum(n for _, n in released) == (
         end // page * page - released[0][0]
     )
