@@ -15,9 +15,9 @@ own the storage their members view, layers/fusion.py), grouped by storage. A sto
 tensors found are all that hold it: a holder left behind would keep the old copy alive (the memory twice).
 oneDNN's packed fp32 weights are opaque and stay where oneDNN put them; storages already on a mapping of
 ours (a target module a drafter shares) stay. Heap memory freed on the way goes back to the OS as it goes
-(`malloc_trim`), and a storage's old pages as its copy goes (`madvise(MADV_DONTNEED)`), so that the peak
-stays near the final size. `SPECSERVE_HUGE_PAGES=0` switches it off; it
-does nothing where the kernel has no THP or its mode is "never".
+(`malloc_trim`, `HeapTrimmer`), and a storage's old pages as its copy goes (`madvise(MADV_DONTNEED)`), so
+that the peak stays near the final size. `SPECSERVE_HUGE_PAGES=0` switches it off; it does nothing where the
+kernel has no THP or its mode is "never".
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ MADV_DONTNEED = 4
 PAGE = mmap.PAGESIZE
 COPY_CHUNK = 64 * 2**20  # bytes of a storage copied between returns of its old pages to the OS
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-TRIM_EVERY = 256 * 2**20  # bytes moved between returns of freed heap memory to the OS
+TRIM_EVERY = 256 * 2**20  # bytes freed (or churned) between returns of the heap's free memory to the OS
 
 logger = logging.getLogger(__name__)
 _mappings: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()  # start -> mapping
