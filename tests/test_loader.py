@@ -648,8 +648,8 @@ def test_a_quantized_load_never_holds_the_dense_weights(arch, mode, load_format,
     replaced = []
     quantize = QuantizingLoad.__call__
 
-    def recorded(self, model, name, weight):
-        took = quantize(self, model, name, weight)
+    def recorded(self, model, name, weight, dtype):
+        took = quantize(self, model, name, weight, dtype)
         replaced.extend([name] * took)
         return took
 

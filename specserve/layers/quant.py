@@ -699,14 +699,14 @@ class QuantizingLoad:
         self.mode, self.use_kernel = mode, use_kernel
         self.trimmer = HeapTrimmer()
 
-    def __call__(self, model: nn.Module, name: str, weight: torch.Tensor) -> bool:
-        """Replace the layer whose weight `name` is by its quantized `weight` (in the parameter's dtype);
-        returns whether `name` was one."""
+    def __call__(self, model: nn.Module, name: str, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Replace the layer whose weight `name` is by its quantized `weight` (cast to the parameter's
+        `dtype` first, as loading it would); returns whether `name` was one (others are not cast here)."""
         names = self.targets.pop(name, None)
         if names is None:
             return False
         bias = model.get_submodule(names[0]).bias  # the parameter itself: the load may fill it later
-        group_size = DEFAULT_GROUP_SIZE
+        weight, group_size = weight.to(dtype), DEFAULT_GROUP_SIZE
         _quantize_into(model, names, weight, bias, self.mode, group_size, self.use_kernel, self.trimmer)
         return True
 

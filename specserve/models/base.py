@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
                     f"expected {tuple(param.shape)}"
                 )
             quantize = self.quantize_on_load
-            if quantize is not None and quantize(self, name, tensor.to(param.dtype)):
+            if quantize is not None and quantize(self, name, tensor, param.dtype):
                 loaded.add(name)
                 continue
             with torch.no_grad():

@@ -342,6 +342,7 @@ def init_dummy_weights(
         for name, parameter in list(model.named_parameters()):
             generator = torch.Generator(parameter.device).manual_seed(seed)
             if quantizer is not None and name in quantizer.targets:
-                quantizer(model, name, torch.empty_like(parameter).normal_(0.0, 0.02, generator=generator))
+                weight = torch.empty_like(parameter).normal_(0.0, 0.02, generator=generator)
+                quantizer(model, name, weight, parameter.dtype)
             else:
                 parameter.normal_(0.0, 0.02, generator=generator)

@@ -276,6 +276,8 @@ def train_drafter(
     else:
         layer_ids = cache.manifest["target_layer_ids"]
         config = drafter.new_config(method, config_t, layer_ids, tokenizer, train_config.num_anchors)
+        # its hidden size is the target's: a hub target's is known only once it is downloaded
+        cache.check(config)
         model = build_draft_model(config)
         init_draft_weights(model, target, seed=train_config.seed)
         if drafter.init == "target":
@@ -286,8 +288,6 @@ def train_drafter(
                 f"training vocabulary: the {len(vocab)} tokens the data supervises (of {config_t.vocab_size})"
             )
         trainer = Trainer(model, samples, train_config, vocab)
-    # A new drafter's hidden size is the target's: a hub target's is known only once it is downloaded.
-    cache.check(trainer.model.config)
     log = output / "metrics.jsonl"
     output.mkdir(parents=True, exist_ok=True)
     truncate_metrics(log, trainer.step_index)
