@@ -176,6 +176,11 @@ def test_nulls_the_openai_types_allow_mean_the_defaults(client, server):
     assert chat.choices == client.chat.completions.create(messages=MESSAGES, **args).choices
     completion = client.completions.create(prompt="hi", echo=None, **nulls, **args)
     assert completion.choices == client.completions.create(prompt="hi", **args).choices
+    # a field this server does not implement is taken as null only, and the schema says so
+    assert schemas["DetokenizeRequest"]["additionalProperties"] == {"type": "null"}
+    detokenize = f"{server.url}/detokenize"
+    assert httpx.post(detokenize, json={"tokens": [104], "": None}).status_code == 200
+    assert httpx.post(detokenize, json={"tokens": [104], "": 1}).status_code == 400
 
 
 def test_unknown_model_is_a_404(client):

@@ -86,8 +86,18 @@ class RequestFieldError(SpecserveError):
         super().__init__(f"{param}: {message}", param)
 
 
+def _published_nulls(schema: dict) -> None:
+    # The published schema says what `_null_asks_for_nothing` takes: NULLABLE fields take null (OpenAPI 3.1:
+    # a list of types), and a field this server does not implement only as null.
+    schema["additionalProperties"] = {"type": "null"}
+    for name in NULLABLE:
+        field = schema.get("properties", {}).get(name)
+        if field is not None and "type" in field:
+            field["type"] = [field["type"], "null"]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_published_nulls)
 
     @model_validator(mode="before")
     @classmethod
@@ -130,19 +140,9 @@ class NoOpFields(_Request):
     prompt_cache_key: Text | None = Field(None, description="a cache-routing hint; prefix caching needs none")
 
 
-def _nullable_in_schema(schema: dict) -> None:
-    # The published schema says that NULLABLE fields take null (`_null_asks_for_nothing`; OpenAPI 3.1: a
-    # list of types).
-    for name in NULLABLE:
-        field = schema["properties"].get(name)
-        if field is not None and "type" in field:
-            field["type"] = [field["type"], "null"]
-
-
 class SamplingFields(NoOpFields):
     """Everything both generation endpoints share: the model, how many choices, and how to sample."""
 
-    model_config = ConfigDict(json_schema_extra=_nullable_in_schema)
     model: Text | None = Field(None, description="must name the served model when given")
     n: integer(ge=1, le=MAX_CHOICES) = 1
     temperature: float | None = Field(None, ge=0, le=2)
