@@ -150,7 +150,13 @@ def run_sweep(config: SweepConfig, report_only: bool = False) -> int:
 
 
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    # Ctrl-C's own path: inside the benchmark's event loop, asyncio.run cancels its task and raises
+    # KeyboardInterrupt once that has unwound (raised here, in the middle of an await, it broke anyio's
+    # cancel scopes in httpx: a traceback instead of exit 130); outside it, Python raises it at once. Where
+    # SIGINT is ignored (a background job of a shell) there is no such path: raised here.
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
 
 
 def _run_sweep(config: SweepConfig, report_only: bool) -> int:
